@@ -1,0 +1,226 @@
+"""Number formats of the project, in plain PyTorch (CPU or GPU), bit-exact.
+
+| format | storage | max | notes |
+| --- | --- | --- | --- |
+| e4m3 | ``torch.float8_e4m3fn`` | 448 | RNE, saturating; NaN stays NaN |
+| e2m1 | 4-bit codes, two per ``int8`` byte, element ``2j`` in the low nibble of byte ``j`` | 6 | RNE on the code grid |
+| e5m6 | 12-bit codes (the top 12 bits of an fp16), eight per three ``uint32`` words | 65024 | |
+| ue8m0 | one exponent byte ``e``, value ``2**(e - 127)``; four per ``int32`` (byte ``j`` little-endian) | | |
+
+The scale rule (``compute_scales``) turns a block's amax into the dequantization scale ``sf`` and the
+quantization multiplier ``sf_inv`` exactly as the kernels do, so references built on it compare bits.
+"""
+
+import torch
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E5M6_MAX = 65024.0
+FORMAT_MAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "e5m6": E5M6_MAX}
+
+# Magnitudes of the eight e2m1 codes and the midpoints between neighbouring codes.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The int32 bit pattern of a float32 tensor."""
+    return x.float().contiguous().view(torch.int32)
+
+
+def _from_bits(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).contiguous().view(torch.float32)
+
+
+def pow2(k: torch.Tensor) -> torch.Tensor:
+    """Exactly ``2**k`` in float32 for integer ``k`` (subnormals below 2**-126, inf above 2**127)."""
+    k = k.to(torch.int32)
+    normal = torch.clamp(k + 127, 1, 254) << 23
+    subnormal = torch.ones_like(k) << torch.clamp(k + 149, 0, 22)
+    bits = torch.where(k >= -126, normal, subnormal)
+    bits = torch.where(k > 127, torch.full_like(k, 0x7F800000), bits)
+    bits = torch.where(k < -149, torch.zeros_like(k), bits)
+    return _from_bits(bits)
+
+
+# --- e4m3 -----------------------------------------------------------------------------------------
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> e4m3 with round-to-nearest-even, saturating finite values (and inf) to +-448."""
+    return torch.clamp(x.float(), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+# --- e2m1 -----------------------------------------------------------------------------------------
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> e2m1 codes (uint8, 0..15): RNE on the code grid, saturating at +-6.
+
+    Ties go to the even code (0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). The sign bit
+    is copied, so -0 encodes as 8. NaN encodes as 6 with the input's sign.
+    """
+    x = x.float()
+    a = x.abs()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for i, mid in enumerate(_E2M1_MIDPOINTS):
+        up = (a > mid) | (a == mid) if i % 2 else a > mid
+        code += up.to(torch.uint8)
+    code = torch.where(torch.isnan(x), torch.full_like(code, 7), code)
+    sign = (_bits(x) < 0).to(torch.uint8) << 3
+    return code | sign
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (any integer dtype, low 4 bits used) -> float32."""
+    c = codes.to(torch.int32) & 0xF
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[c & 7]
+    return torch.where(c >= 8, -mag, mag)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``(..., 2K)`` -> int8 ``(..., K)``: element ``2j`` in the low nibble of byte ``j``."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_e2m1: codes must have an even last dimension, got shape {tuple(codes.shape)}")
+    c = codes.to(torch.uint8) & 0xF
+    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 ``(..., K)`` -> codes uint8 ``(..., 2K)`` (low nibble first)."""
+    b = packed.contiguous().view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+
+
+# --- e5m6 -----------------------------------------------------------------------------------------
+
+
+def _fp16_bits_round_toward_zero(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> IEEE fp16 bit pattern (int32, 0..0xFFFF) rounded toward zero, as CUDA's RZ does."""
+    bits = _bits(y)
+    sign = (bits >> 16) & 0x8000
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = exp - 112  # fp16 biased exponent
+    normal = (e << 10) | (mant >> 13)
+    shift = torch.clamp(14 - e, 0, 31)
+    subnormal = torch.where(shift > 24, torch.zeros_like(mant), (mant | 0x800000) >> shift)
+    mag = torch.where(e >= 1, normal, subnormal)
+    mag = torch.where(exp == 0, torch.zeros_like(mag), mag)
+    mag = torch.where(e >= 31, torch.full_like(mag, 0x7BFF), mag)  # RZ overflow: largest finite
+    mag = torch.where(exp == 0xFF, torch.where(mant != 0, 0x7E00, 0x7C00), mag)
+    return sign | mag
+
+
+def encode_e5m6(y: torch.Tensor) -> torch.Tensor:
+    """float32 -> 12-bit e5m6 codes (int32): truncate to fp16 toward zero, keep the top 12 bits, then
+    round half-to-even on the 17 fp32 bits below them (a carry into the exponent is intended).
+
+    Exact RNE for results in the fp16 normal range; for fp16-subnormal results the rounding decision
+    reads fp32 bits that do not line up with the dropped ones, as in the original kernels.
+    """
+    y = y.float()
+    code = _fp16_bits_round_toward_zero(y) >> 4
+    rest = _bits(y) & 0x1FFFF
+    return code + (((code & 1) + rest) > 0x10000).to(torch.int32)
+
+
+def decode_e5m6(codes: torch.Tensor) -> torch.Tensor:
+    """12-bit e5m6 codes -> float32 (exact): the code is the top 12 bits of an fp16."""
+    h = (codes.to(torch.int32) & 0xFFF) << 4
+    h = torch.where(h >= 0x8000, h - 0x10000, h).to(torch.int16)
+    return h.view(torch.float16).float()
+
+
+def pack_e5m6(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``(..., 8G)`` -> uint8 ``(..., 12G)``: each 8 codes become 3 little-endian uint32 words,
+    ``w0 = h0<<20 | h1<<8 | h2>>4``, ``w1 = (h2&0xF)<<28 | h3<<16 | h4<<4 | h5>>8``,
+    ``w2 = (h5&0xFF)<<24 | h6<<12 | h7``."""
+    if codes.shape[-1] % 8:
+        raise ValueError(f"pack_e5m6: codes must have a last dimension divisible by 8, got {tuple(codes.shape)}")
+    h = (codes.to(torch.int64) & 0xFFF).unflatten(-1, (-1, 8)).unbind(-1)
+    w0 = (h[0] << 20) | (h[1] << 8) | (h[2] >> 4)
+    w1 = ((h[2] & 0xF) << 28) | (h[3] << 16) | (h[4] << 4) | (h[5] >> 8)
+    w2 = ((h[5] & 0xFF) << 24) | (h[6] << 12) | h[7]
+    words = torch.stack((w0, w1, w2), dim=-1).flatten(-2)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.contiguous().view(torch.uint8)
+
+
+def unpack_e5m6(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``(..., 12G)`` -> codes int32 ``(..., 8G)``; the inverse of ``pack_e5m6``."""
+    w = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    w0, w1, w2 = w.unflatten(-1, (-1, 3)).unbind(-1)
+    h = (
+        w0 >> 20,
+        (w0 >> 8) & 0xFFF,
+        ((w0 & 0xFF) << 4) | (w1 >> 28),
+        (w1 >> 16) & 0xFFF,
+        (w1 >> 4) & 0xFFF,
+        ((w1 & 0xF) << 8) | (w2 >> 24),
+        (w2 >> 12) & 0xFFF,
+        w2 & 0xFFF,
+    )
+    return torch.stack(h, dim=-1).flatten(-2).to(torch.int32)
+
+
+# --- ue8m0 ----------------------------------------------------------------------------------------
+
+
+def encode_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales -> exponent bytes (uint8): the float's bits ``>> 23``."""
+    return (_bits(sf) >> 23 & 0xFF).to(torch.uint8)
+
+
+def decode_ue8m0(e: torch.Tensor) -> torch.Tensor:
+    """Exponent bytes -> float32 with bit pattern ``e << 23`` (byte 0 decodes to 0.0)."""
+    return _from_bits(e.to(torch.int32) << 23)
+
+
+def pack_ue8m0(e: torch.Tensor) -> torch.Tensor:
+    """uint8 ``(..., N)`` -> int32 ``(..., ceil(N/4))``; byte ``j`` of word ``c`` is ``e[..., 4c+j]``,
+    unused bytes are zero."""
+    n = e.shape[-1]
+    pad = -n % 4
+    e = torch.nn.functional.pad(e.to(torch.uint8), (0, pad)) if pad else e.to(torch.uint8)
+    return e.contiguous().view(torch.int32)
+
+
+def unpack_ue8m0(words: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 ``(..., ceil(n/4))`` -> uint8 ``(..., n)``."""
+    return words.contiguous().view(torch.uint8)[..., :n]
+
+
+# --- the scale rule -------------------------------------------------------------------------------
+
+
+def compute_scales(amax: torch.Tensor, fmt_max: float, clamp_min: float, round_sf: bool):
+    """amax (float32) -> ``(sf, sf_inv)``, the dequantization scale and the quantization multiplier.
+
+    ``A = max(amax, clamp_min)``. Without rounding ``sf = A / Q`` and ``sf_inv = Q / A`` (two correctly
+    rounded divisions; ``sf_inv`` is not ``1/sf``). With rounding ``sf = 2**k``, ``sf_inv = 2**-k`` where
+    ``k = ceil(log2(A / Q))``, taken from the float's bits as ``((bits - 1) >> 23) - 126``.
+    """
+    a = torch.clamp_min(amax.float(), clamp_min)
+    s0 = a / fmt_max
+    if not round_sf:
+        return s0, fmt_max / a
+    k = ((_bits(s0) - 1) >> 23) - 126
+    return pow2(k), pow2(-k)

@@ -1,0 +1,152 @@
+"""One place that turns a TileLang kernel factory into a cached, compiled kernel.
+
+A *kernel factory* is a function of compile-time parameters only (block sizes, dtypes, formats) that
+returns a ``T.prim_func``; sizes such as the token count are ``T.dynamic`` runtime arguments, so a new
+batch does not recompile. Decorate it with ``@kernel``::
+
+    @kernel
+    def copy_kernel(dtype: str, block: int):
+        ...
+        return main
+
+    copy_kernel.get(x.device, dtype="bfloat16", block=128)(x, y)   # compiled once per key
+    copy_kernel.compile("sm_100a", dtype="bfloat16", block=128)     # no GPU needed
+
+The target comes from the tensor's device (sm_90a on Hopper, sm_100a on Blackwell) or from an explicit
+arch, so the compile tier runs on machines without a GPU. ``precompile`` builds a list of variants in
+parallel with a progress bar, to warm the cache before serving.
+"""
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ARCHS = ("sm_90a", "sm_100a")
+# Register spills become compile errors in strict mode (the compile tier).
+STRICT_FLAGS = ("-Xptxas=--warn-on-spills", "-Xptxas=--warning-as-error")
+_PRINT_SOURCE = os.environ.get("TK_PRINT_KERNEL_SOURCE", "0") not in ("", "0")
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    """The TileLang arch of a compute capability: the arch-specific ``a`` variant on sm_90 and sm_100."""
+    if major in (9, 10):
+        return f"sm_{major}{minor}a"
+    return f"sm_{major}{minor}"
+
+
+@functools.cache
+def _arch_of_device_index(index: int) -> str:
+    return arch_for_capability(*torch.cuda.get_device_capability(index))
+
+
+def arch_of(device: torch.device | str | int | None = None) -> str:
+    """The arch of a CUDA device (the current one by default), or an arch string passed through."""
+    if isinstance(device, str) and device.startswith("sm_"):
+        return device
+    if device is None:
+        return _arch_of_device_index(torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"tk_core.jit: device must be a CUDA device or an arch like 'sm_90a', got {device}")
+    return _arch_of_device_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def target_of(arch: str) -> dict:
+    return {"kind": "cuda", "arch": arch}
+
+
+class KernelFactory:
+    """A TileLang kernel factory with a per-(arch, parameters) cache of compiled kernels."""
+
+    def __init__(self, factory: Callable, pass_configs: dict | None = None):
+        self.factory = factory
+        self.pass_configs = pass_configs or {}
+        self.name = factory.__name__
+        self._cache: dict = {}
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, factory)
+
+    def __call__(self, **params):
+        """The ``T.prim_func`` for ``params`` (not compiled)."""
+        return self.factory(**params)
+
+    def compile(self, arch: str, *, strict: bool = False, **params):
+        """Compiles for ``arch`` (nvcc runs; no GPU needed) and returns the ``JITKernel``."""
+        import tilelang
+
+        kernel = tilelang.compile(
+            self.factory(**params),
+            target=target_of(arch),
+            pass_configs=self.pass_configs,
+            compile_flags=list(STRICT_FLAGS) if strict else None,
+        )
+        if _PRINT_SOURCE:
+            print(f"// {self.name} {arch} {params}\n{kernel.get_kernel_source()}")
+        return kernel
+
+    def get(self, device, **params):
+        """The compiled kernel for ``device`` (a tensor's device or an arch) and ``params``, cached."""
+        key = (device, *params.items())
+        kernel = self._cache.get(key)
+        if kernel is None:
+            arch = arch_of(device)
+            full_key = (arch, tuple(sorted(params.items())))
+            with self._lock:
+                kernel = self._cache.get(full_key)
+                if kernel is None:
+                    kernel = self.compile(arch, **params)
+                    self._cache[full_key] = kernel
+                self._cache[key] = kernel
+        return kernel
+
+    def source(self, arch: str, **params) -> str:
+        """The CUDA source for ``arch`` without running nvcc (about 0.1 s)."""
+        return self.lower(arch, **params).kernel_source
+
+    def lower(self, arch: str, **params):
+        """``tilelang.lower`` of the kernel: the source, the host and device modules."""
+        import tilelang
+        from tvm.target import Target
+
+        target = target_of(arch)
+        with Target(target):
+            return tilelang.lower(self.factory(**params), target=target)
+
+
+def kernel(factory: Callable | None = None, *, pass_configs: dict | None = None):
+    """Decorator: makes a kernel factory a cached ``KernelFactory``."""
+    if factory is None:
+        return functools.partial(kernel, pass_configs=pass_configs)
+    return KernelFactory(factory, pass_configs)
+
+
+def precompile(
+    variants: Iterable[tuple[KernelFactory, dict]],
+    archs: Sequence[str] | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+) -> int:
+    """Compiles every ``(factory, params)`` for every arch (default: the current GPU's) in parallel.
+
+    nvcc runs in subprocesses, so threads overlap the compiles. Returns the number of kernels built.
+    """
+    if archs is None:
+        archs = (arch_of(None),)
+    jobs = [(f, a, p) for f, p in variants for a in archs]
+    workers = workers or min(len(jobs), os.cpu_count() or 1) or 1
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="tk precompile", unit="kernel")
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(lambda job: job[0].get(job[1], **job[2]), jobs):
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    return len(jobs)

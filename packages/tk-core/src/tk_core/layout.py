@@ -1,0 +1,86 @@
+"""Alignment helpers and the storage layouts of scale factors (SF).
+
+A scale covers a ``(bm, bk)`` block of a ``(T, H)`` tensor; the SF grid is ``nm x nk`` with
+``nm = ceil(T/bm)``, ``nk = ceil(H/bk)``. Every returned SF has logical shape ``(nm, nk)`` (row index =
+token block) in one of three layouts:
+
+- ``"row"``: contiguous float32 ``(nm, nk)``;
+- ``"col"``: TMA-aligned column-major float32: storage ``(nk, align(nm, 4))``, returned transposed, so
+  strides are ``(1, align(nm, 4))`` and each column starts on a 16-byte boundary;
+- ``"packed"``: packed UE8M0, column-major: int32 ``(nm, ceil(nk/4))`` with strides
+  ``(1, align(nm, 4))``; byte ``j`` of word ``[m, c]`` is the exponent of block ``(m, 4c + j)``.
+  Needs power-of-two scales (``round_sf=True``).
+"""
+
+import torch
+
+from .formats import decode_ue8m0, encode_ue8m0, pack_ue8m0, unpack_ue8m0
+
+SF_LAYOUTS = ("row", "col", "packed")
+
+
+def ceil_div(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def align(x: int, y: int) -> int:
+    return ceil_div(x, y) * y
+
+
+def is_power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def tma_aligned_size(n: int, element_size: int) -> int:
+    """``n`` rounded up so that ``n * element_size`` is a multiple of 16 bytes."""
+    return align(n, 16 // element_size)
+
+
+def sf_layout(op: str, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: bool, round_sf: bool) -> str:
+    """Maps the two layout flags to a layout name; rejects packed without col-major or rounding."""
+    if use_packed_ue8m0:
+        if not use_tma_aligned_col_major_sf:
+            raise ValueError(f"{op}: use_packed_ue8m0 must come with use_tma_aligned_col_major_sf=True, got False")
+        if not round_sf:
+            raise ValueError(f"{op}: use_packed_ue8m0 must come with round_sf=True (power-of-two scales), got False")
+        return "packed"
+    return "col" if use_tma_aligned_col_major_sf else "row"
+
+
+def alloc_sf(nm: int, nk: int, layout: str, device) -> torch.Tensor:
+    """An uninitialised SF of logical shape ``(nm, nk)`` in ``layout`` (padding included)."""
+    if layout == "row":
+        return torch.empty((nm, nk), dtype=torch.float32, device=device)
+    if layout == "col":
+        return torch.empty((nk, align(nm, 4)), dtype=torch.float32, device=device)[:, :nm].t()
+    if layout == "packed":
+        return torch.empty((ceil_div(nk, 4), align(nm, 4)), dtype=torch.int32, device=device)[:, :nm].t()
+    raise ValueError(f"alloc_sf: layout must be one of {SF_LAYOUTS}, got {layout!r}")
+
+
+def sf_to_layout(sf: torch.Tensor, layout: str) -> torch.Tensor:
+    """Row-major float32 ``(nm, nk)`` -> the same scales in ``layout``; padding is zero."""
+    nm, nk = sf.shape
+    out = alloc_sf(nm, nk, layout, sf.device)
+    out.copy_(pack_ue8m0(encode_ue8m0(sf)) if layout == "packed" else sf)
+    if layout != "row":  # zero the alignment padding of the column-major storage
+        storage = out.t()
+        storage.as_strided((storage.shape[0], align(nm, 4)), (storage.stride(0), 1))[:, nm:] = 0
+    return out
+
+
+def sf_layout_of(sf: torch.Tensor) -> str:
+    """Recognises the layout of an SF tensor (``"row"``, ``"col"`` or ``"packed"``) from dtype and strides.
+
+    Column-major means ``stride(0) == 1 and stride(1) != 1``, so a row-major ``(N, 1)`` stays row-major.
+    """
+    if sf.dtype == torch.int32:
+        return "packed"
+    return "col" if sf.dim() == 2 and sf.stride(0) == 1 and sf.stride(1) != 1 else "row"
+
+
+def sf_to_row_major(sf: torch.Tensor, nk: int) -> torch.Tensor:
+    """Any-layout SF -> contiguous float32 ``(nm, nk)``; packed bytes are decoded as ``2**(e-127)``."""
+    if sf.dtype == torch.int32:
+        return decode_ue8m0(unpack_ue8m0(sf.contiguous(), nk))
+    return sf.float().contiguous()
