@@ -1,0 +1,1 @@
+"""Plain-PyTorch references of every tk-engram op (CPU or GPU)."""
