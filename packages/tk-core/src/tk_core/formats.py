@@ -39,13 +39,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def reinterpret(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes of ``x`` (made contiguous) viewed as ``dtype``; the last dimension scales with the
+    element sizes. Works for any strides of size-1 dimensions and for empty tensors."""
+    last = x.shape[-1] * x.element_size() // torch.empty((), dtype=dtype).element_size() if x.dim() else 1
+    x = x.contiguous()
+    if x.dim() and x.stride(-1) != 1:  # a size-1 last dimension may carry any stride
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.flatten().view(dtype).view(*x.shape[:-1], last)
+
+
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """The int32 bit pattern of a float32 tensor."""
-    return x.float().contiguous().view(torch.int32)
+    return reinterpret(x.float(), torch.int32)
 
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int32).contiguous().view(torch.float32)
+    return reinterpret(bits.to(torch.int32), torch.float32)
 
 
 def pow2(k: torch.Tensor) -> torch.Tensor:
@@ -100,12 +110,12 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_e2m1: codes must have an even last dimension, got shape {tuple(codes.shape)}")
     c = codes.to(torch.uint8) & 0xF
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).view(torch.int8)
+    return reinterpret(c[..., 0::2] | (c[..., 1::2] << 4), torch.int8)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 ``(..., K)`` -> codes uint8 ``(..., 2K)`` (low nibble first)."""
-    b = packed.contiguous().view(torch.uint8)
+    b = reinterpret(packed, torch.uint8)
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
 
 
@@ -146,7 +156,7 @@ def decode_e5m6(codes: torch.Tensor) -> torch.Tensor:
     """12-bit e5m6 codes -> float32 (exact): the code is the top 12 bits of an fp16."""
     h = (codes.to(torch.int32) & 0xFFF) << 4
     h = torch.where(h >= 0x8000, h - 0x10000, h).to(torch.int16)
-    return h.view(torch.float16).float()
+    return reinterpret(h, torch.float16).float()
 
 
 def pack_e5m6(codes: torch.Tensor) -> torch.Tensor:
@@ -161,12 +171,12 @@ def pack_e5m6(codes: torch.Tensor) -> torch.Tensor:
     w2 = ((h[5] & 0xFF) << 24) | (h[6] << 12) | h[7]
     words = torch.stack((w0, w1, w2), dim=-1).flatten(-2)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.contiguous().view(torch.uint8)
+    return reinterpret(words, torch.uint8)
 
 
 def unpack_e5m6(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``(..., 12G)`` -> codes int32 ``(..., 8G)``; the inverse of ``pack_e5m6``."""
-    w = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    w = reinterpret(packed, torch.int32).to(torch.int64) & 0xFFFFFFFF
     w0, w1, w2 = w.unflatten(-1, (-1, 3)).unbind(-1)
     h = (
         w0 >> 20,
@@ -200,12 +210,12 @@ def pack_ue8m0(e: torch.Tensor) -> torch.Tensor:
     n = e.shape[-1]
     pad = -n % 4
     e = torch.nn.functional.pad(e.to(torch.uint8), (0, pad)) if pad else e.to(torch.uint8)
-    return e.contiguous().view(torch.int32)
+    return reinterpret(e, torch.int32)
 
 
 def unpack_ue8m0(words: torch.Tensor, n: int) -> torch.Tensor:
     """int32 ``(..., ceil(n/4))`` -> uint8 ``(..., n)``."""
-    return words.contiguous().view(torch.uint8)[..., :n]
+    return reinterpret(words, torch.uint8)[..., :n]
 
 
 # --- the scale rule -------------------------------------------------------------------------------
@@ -221,6 +231,7 @@ def compute_scales(amax: torch.Tensor, fmt_max: float, clamp_min: float, round_s
     a = torch.clamp_min(amax.float(), clamp_min)
     s0 = a / fmt_max
     if not round_sf:
-        return s0, fmt_max / a
+        # A tensor numerator: ``scalar / tensor`` in torch is ``reciprocal(tensor) * scalar``, rounded twice.
+        return s0, torch.full_like(a, fmt_max) / a
     k = ((_bits(s0) - 1) >> 23) - 126
     return pow2(k), pow2(-k)

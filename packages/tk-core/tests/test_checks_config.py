@@ -1,0 +1,69 @@
+"""Validation messages and process-wide settings."""
+
+import pytest
+import torch
+
+from tk_core import checks, config
+
+
+def test_messages_name_op_argument_expectation_and_value():
+    x = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^myop: x must be of dtype float32 or bfloat16, got int32$"):
+        checks.check_dtype("myop", "x", x, (torch.float32, torch.bfloat16))
+    with pytest.raises(TypeError, match=r"^myop: x must be a torch.Tensor, got list$"):
+        checks.check_tensor("myop", "x", [1])
+    with pytest.raises(ValueError, match=r"^myop: x must be 3-D, got shape \(2, 3\)$"):
+        checks.check_ndim("myop", "x", x, 3)
+    with pytest.raises(ValueError, match=r"^myop: x must be of shape \(\*, 4\), got shape \(2, 3\)$"):
+        checks.check_shape("myop", "x", x, (None, 4))
+    with pytest.raises(ValueError, match=r"^myop: hidden must be a multiple of 64, got 100$"):
+        checks.check_divisible("myop", "hidden", 100, 64)
+    with pytest.raises(ValueError, match=r"^myop: fmt must be one of \('e4m3', 'e2m1'\), got 'e5m2'$"):
+        checks.check_one_of("myop", "fmt", "e5m2", ("e4m3", "e2m1"))
+    with pytest.raises(ValueError, match="myop: x must be unit-stride in its last dimension"):
+        checks.check_inner_contiguous("myop", "x", torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="myop: x must be contiguous"):
+        checks.check_contiguous("myop", "x", torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="myop: y must be on device meta"):
+        checks.check_same_device("myop", "y", x, torch.device("meta"))
+    with pytest.raises(ValueError, match="myop: n must be a positive int, got 0"):
+        checks.check_positive_int("myop", "n", 0)
+    with pytest.raises(TypeError, match="myop: n must be a positive int, got 1.5"):
+        checks.check_positive_int("myop", "n", 1.5)
+
+
+def test_passing_checks_return_none():
+    x = torch.zeros(2, 64)
+    assert checks.check_dtype("op", "x", x, torch.float32) is None
+    assert checks.check_shape("op", "x", x, (2, 64)) is None
+    assert checks.check_inner_contiguous("op", "x", x[:, ::1]) is None
+
+
+@pytest.fixture
+def clean_config():
+    yield
+    config.reset()
+
+
+def test_config_getters_setters_and_reset(clean_config):
+    config.set_pdl(True)
+    config.set_token_alignment(64)
+    config.set_deterministic(False)
+    config.set_amax_clamp("e4m3", 1e-3)
+    config.set_num_sms(1)
+    assert config.get_pdl() and config.get_token_alignment() == 64 and not config.is_deterministic()
+    assert config.get_amax_clamp("e4m3") == 1e-3 and config.get_num_sms() == 1
+    config.reset()
+    assert not config.get_pdl() and config.get_token_alignment() == 128 and config.is_deterministic()
+    assert config.get_amax_clamp("e4m3") == 1e-4 and config.get_amax_clamp("e2m1") == 6 * 2.0**-126
+
+
+def test_config_rejects_bad_values(clean_config):
+    with pytest.raises(ValueError, match="alignment must be a positive power of two, got 96"):
+        config.set_token_alignment(96)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        config.get_amax_clamp("e3m4")
+    with pytest.raises(ValueError, match="value must be a positive float"):
+        config.set_amax_clamp("e4m3", 0.0)
+    with pytest.raises(ValueError, match="num_sms must be a positive int or None"):
+        config.set_num_sms(0)

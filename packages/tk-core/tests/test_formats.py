@@ -1,0 +1,181 @@
+"""Number formats against float64 arithmetic and exhaustive code tables."""
+
+import itertools
+import math
+import struct
+
+import pytest
+import torch
+
+from tk_core import formats
+
+
+def f32(v: float) -> float:
+    """Rounds a Python float to float32."""
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+# --- e4m3 -----------------------------------------------------------------------------------------
+
+
+def all_e4m3_values() -> list[float]:
+    """The 254 finite e4m3fn values from the format definition (s1 e4 m3, bias 7, no inf)."""
+    values = []
+    for s, e, m in itertools.product((1, -1), range(16), range(8)):
+        if e == 15 and m == 7:
+            continue  # NaN
+        v = (m / 8) * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        values.append(s * v)
+    return values
+
+
+def nearest_even_on_grid(v: float, grid: list[float], max_value: float) -> float:
+    """RNE onto a sorted grid of non-negative magnitudes (ties to the value with even mantissa/code)."""
+    a = min(abs(v), max_value)
+    best = min(range(len(grid)), key=lambda i: (abs(grid[i] - a), i % 2))
+    return math.copysign(grid[best], v)
+
+
+def test_e4m3_round_trip_every_code():
+    vals = torch.tensor(all_e4m3_values(), dtype=torch.float32)
+    assert torch.equal(formats.encode_e4m3(vals).float(), vals)
+
+
+def test_e4m3_rne_and_saturation_against_float64():
+    grid = sorted({abs(v) for v in all_e4m3_values()})
+    xs = torch.randn(20000, dtype=torch.float64) * torch.exp2(torch.randint(-12, 10, (20000,)).double())
+    xs = torch.cat([xs, torch.tensor([1e9, -1e9, 448.0, 464.0, 480.0, -500.0])]).float()
+    got = formats.encode_e4m3(xs).float()
+    # mantissa ties sit at odd midpoints; the grid index parity is the mantissa parity
+    want = torch.tensor([nearest_even_on_grid(v, grid, 448.0) for v in xs.tolist()])
+    assert torch.equal(got, want)
+    assert formats.encode_e4m3(torch.tensor([float("nan")])).float().isnan().all()
+
+
+# --- e2m1 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "v,code",
+    [(0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6), (7.0, 7), (float("inf"), 7),
+     (-0.0, 8), (-0.3, 9), (-6.0, 15), (float("nan"), 7), (2**-149, 0)],
+)
+def test_e2m1_encode_hand_cases(v, code):
+    assert formats.encode_e2m1(torch.tensor([v])).item() == code
+
+
+def test_e2m1_encode_matches_float64_rne():
+    grid = list(formats.E2M1_VALUES)
+    xs = (torch.rand(20000, dtype=torch.float64) * 16 - 8).float()
+    codes = formats.encode_e2m1(xs)
+    want = torch.tensor([nearest_even_on_grid(v, grid, 6.0) for v in xs.tolist()])
+    assert torch.equal(formats.decode_e2m1(codes), want)
+
+
+def test_e2m1_pack_round_trip_and_nibble_order():
+    codes = torch.randint(0, 16, (7, 10), dtype=torch.uint8)
+    packed = formats.pack_e2m1(codes)
+    assert packed.dtype == torch.int8 and packed.shape == (7, 5)
+    assert torch.equal(formats.unpack_e2m1(packed), codes)
+    b = packed.view(torch.uint8)
+    assert torch.equal(b & 0xF, codes[:, 0::2]) and torch.equal(b >> 4, codes[:, 1::2])
+    with pytest.raises(ValueError, match="even last dimension"):
+        formats.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
+
+
+def test_e2m1_decode_every_code():
+    want = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    want = want + [-v for v in want]
+    got = formats.decode_e2m1(torch.arange(16))
+    assert got.tolist() == want
+    assert torch.equal(torch.signbit(got[8]), torch.tensor(True))
+
+
+# --- e5m6 -----------------------------------------------------------------------------------------
+
+
+def e5m6_decode_f64(code: int) -> float:
+    s, e, m = code >> 11 & 1, code >> 6 & 0x1F, code & 0x3F
+    if e == 31:
+        return math.copysign(math.inf if m == 0 else math.nan, -1 if s else 1)
+    v = m / 64 * 2.0**-14 if e == 0 else (1 + m / 64) * 2.0 ** (e - 15)
+    return -v if s else v
+
+
+def test_e5m6_decode_every_code():
+    codes = torch.arange(4096, dtype=torch.int32)
+    got = formats.decode_e5m6(codes).double().tolist()
+    want = [e5m6_decode_f64(c) for c in range(4096)]
+    for g, w in zip(got, want):
+        assert (math.isnan(g) and math.isnan(w)) or g == w
+
+
+def test_e5m6_encode_is_rne_in_normal_range():
+    finite = [c for c in range(4096) if (c >> 6 & 0x1F) not in (0, 31)]
+    grid = sorted({abs(e5m6_decode_f64(c)) for c in finite})
+    xs = torch.randn(20000, dtype=torch.float64) * torch.exp2(torch.randint(-12, 15, (20000,)).double())
+    xs = xs.float().clamp(-65024, 65024)
+    xs = xs[xs.abs() >= 2**-14]
+    got = formats.decode_e5m6(formats.encode_e5m6(xs))
+    want = torch.tensor([nearest_even_on_grid(v, grid, 65024.0) for v in xs.tolist()])
+    assert torch.equal(got, want)
+
+
+def test_e5m6_encode_exact_codes_round_trip():
+    codes = torch.tensor([c for c in range(4096) if (c >> 6 & 0x1F) != 31], dtype=torch.int32)
+    assert torch.equal(formats.encode_e5m6(formats.decode_e5m6(codes)), codes)
+
+
+def test_e5m6_pack_layout_and_round_trip():
+    codes = torch.randint(0, 4096, (3, 16), dtype=torch.int32)
+    packed = formats.pack_e5m6(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 24)
+    assert torch.equal(formats.unpack_e5m6(packed), codes)
+    h = codes[0, :8].tolist()
+    bits = "".join(f"{c:012b}" for c in h)
+    words = [int(bits[i : i + 32], 2) for i in (0, 32, 64)]
+    assert list(struct.unpack("<3I", bytes(packed[0, :12].tolist()))) == words
+
+
+# --- ue8m0 and the scale rule ---------------------------------------------------------------------
+
+
+def test_ue8m0_round_trip_and_packing():
+    e = torch.randint(1, 255, (5, 7), dtype=torch.uint8)
+    sf = formats.decode_ue8m0(e)
+    assert torch.equal(sf.double(), torch.exp2(e.double() - 127))
+    assert torch.equal(formats.encode_ue8m0(sf), e)
+    words = formats.pack_ue8m0(e)
+    assert words.dtype == torch.int32 and words.shape == (5, 2)
+    assert torch.equal(formats.unpack_ue8m0(words, 7), e)
+    assert torch.equal(words.view(torch.uint8)[:, 7], torch.zeros(5, dtype=torch.uint8))
+    assert formats.decode_ue8m0(torch.tensor([0], dtype=torch.uint8)).item() == 0.0
+
+
+def test_pow2_exact_over_whole_range():
+    k = torch.arange(-160, 140)
+    got = formats.pow2(k).double()
+    want = torch.tensor([0.0 if i < -149 else math.inf if i > 127 else 2.0**i for i in k.tolist()], dtype=torch.float64)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "e5m6"])
+@pytest.mark.parametrize("round_sf", [False, True])
+def test_compute_scales_against_float64(fmt, round_sf):
+    q = formats.FORMAT_MAX[fmt]
+    c_min = f32(1e-4)
+    amax = torch.cat([torch.rand(4000) * 1000, torch.tensor([0.0, 1e-30, 448.0, 6.0, 2.0**-100])]).float()
+    sf, sf_inv = formats.compute_scales(amax, q, c_min, round_sf)
+    for a, s, si in zip(amax.tolist(), sf.tolist(), sf_inv.tolist()):
+        a = max(a, c_min)
+        if round_sf:
+            k = math.ceil(math.log2(f32(a / q)))
+            assert s == 2.0**k and si == 2.0**-k
+            assert a * si <= q  # no saturation needed
+        else:
+            assert s == f32(a / q) and si == f32(q / a)
+
+
+def test_compute_scales_e2m1_floor_is_2_pow_minus_126():
+    sf, sf_inv = formats.compute_scales(torch.zeros(3), 6.0, 6.0 * 2.0**-126, True)
+    assert sf.tolist() == [2.0**-126] * 3 and sf_inv.tolist() == [2.0**126] * 3

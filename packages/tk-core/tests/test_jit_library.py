@@ -1,0 +1,105 @@
+"""jit, library glue and the GPU fixtures, exercised on a small kernel that follows the project's
+pattern: static dtype and width, a dynamic row count, a runtime scalar, a registered device op."""
+
+import pytest
+import tilelang.language as T
+import torch
+
+from tk_core import jit
+from tk_core.library import device_op
+from tk_core.testing import assert_equal, count_bytes
+from tk_core.testing.compile_check import assert_compiles, dynamic_smem_bytes
+
+
+@jit.kernel
+def scale_rows(dtype: str, hidden: int, block_rows: int = 4):
+    num_rows = T.dynamic("num_rows")
+
+    @T.prim_func
+    def main(x: T.Tensor((num_rows, hidden), dtype), y: T.Tensor((num_rows, hidden), dtype), alpha: T.float32):
+        with T.Kernel(T.ceildiv(num_rows, block_rows), threads=128) as bx:
+            tile = T.alloc_shared((block_rows, hidden), dtype)
+            T.copy(x[bx * block_rows, 0], tile)
+            for i, j in T.Parallel(block_rows, hidden):
+                tile[i, j] = T.cast(T.cast(tile[i, j], "float32") * alpha, dtype)
+            T.copy(tile, y[bx * block_rows, 0])
+
+    return main
+
+
+@device_op("tk_core_test::scale_rows_", mutates_args=("y",))
+def scale_rows_op(x: torch.Tensor, y: torch.Tensor, alpha: float) -> None:
+    scale_rows.get(x.device, dtype=str(x.dtype).removeprefix("torch."), hidden=x.shape[1])(x, y, alpha)
+
+
+def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    y = torch.empty_like(x)
+    if x.shape[0]:
+        scale_rows_op(x, y, alpha)
+    return y
+
+
+def reference(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return (x.float() * alpha).to(x.dtype)
+
+
+def test_arch_mapping():
+    assert jit.arch_for_capability(9, 0) == "sm_90a"
+    assert jit.arch_for_capability(10, 0) == "sm_100a"
+    assert jit.arch_for_capability(8, 0) == "sm_80"
+    assert jit.arch_of("sm_100a") == "sm_100a"
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        jit.arch_of("cpu")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", jit.ARCHS)
+def test_compiles_without_gpu(arch):
+    src = assert_compiles(scale_rows, arch, dtype="bfloat16", hidden=576)
+    assert "__global__" in src
+    assert dynamic_smem_bytes(scale_rows, arch, dtype="bfloat16", hidden=576) == 4 * 576 * 2
+
+
+@pytest.mark.compile
+def test_precompile_fills_the_cache():
+    variants = [(scale_rows, dict(dtype="float32", hidden=h)) for h in (64, 128)]
+    assert jit.precompile(variants, archs=("sm_90a",), workers=2, progress=False) == 2
+    assert scale_rows.get("sm_90a", dtype="float32", hidden=64) is scale_rows.get("sm_90a", hidden=64, dtype="float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows", [0, 1, 7, 4001])
+def test_kernel_matches_reference(num_rows):
+    x = torch.randn(num_rows, 576, device="cuda", dtype=torch.bfloat16)
+    y = scale(x, 1.7)
+    assert_equal(y, reference(x, 1.7))
+    assert_equal(scale(x, 1.7), y)  # repeat runs are bit-identical
+
+
+@pytest.mark.gpu
+def test_device_op_opcheck_compile_and_graph():
+    x = torch.randn(33, 576, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(scale_rows_op.op, (x, torch.empty_like(x), 0.5))
+    compiled = torch.compile(scale, fullgraph=True)
+    assert_equal(compiled(x, 0.5), reference(x, 0.5))
+    y = torch.full_like(x, float("nan"))
+    scale_rows_op(x, y, 0.25)  # compile outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        scale_rows_op(x, y, 0.25)
+    y.fill_(float("nan"))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_equal(y, reference(x, 0.25))
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("impl", ["tk", "torch", "torch.compile"])
+def test_benchmark_fixture(gpu_benchmark, impl):
+    x = torch.randn(8001, 7168, device="cuda", dtype=torch.bfloat16)
+    fn = {"tk": scale, "torch": reference, "torch.compile": torch.compile(reference)}[impl]
+    y = fn(x, 2.0)
+    info = gpu_benchmark(lambda: fn(x, 2.0), kernel="scale_rows", impl=impl, bytes=count_bytes(x, y),
+                         num_tokens=8001, hidden=7168)
+    assert info["gbps"] > 0 and info["copy_gbps"] > 1000 and info["eager_us"] > 0
