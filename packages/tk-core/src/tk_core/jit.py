@@ -112,8 +112,11 @@ class KernelFactory:
         import tilelang
         from tvm.target import Target
 
+        import tvm
+
         target = target_of(arch)
-        with Target(target):
+        # Same pass context as tilelang.compile, so the source matches what compile() builds.
+        with Target(target), tvm.transform.PassContext(opt_level=3, config=self.pass_configs):
             return tilelang.lower(self.factory(**params), target=target)
 
 
