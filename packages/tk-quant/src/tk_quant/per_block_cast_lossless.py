@@ -1,0 +1,298 @@
+"""Lossless FP4 -> FP8 block re-quantization: ``cast_back(result) == cast_back(input)`` bit for bit.
+
+Input: ``x = (data, sf)``, ``data`` packed e2m1 int8 ``(T, H/2)`` (contiguous), ``sf`` power-of-two
+scales for blocks ``x_block_size = (bm_in, bk_in)`` in any SF layout (row-major fp32, TMA-aligned
+column-major fp32, packed UE8M0 int32). Output: float8_e4m3fn ``(T, H)`` and power-of-two scales for
+``out_block_size = (bm_out, bk_out)`` in the layout of the output flags.
+
+Math, for each output block ``B`` (the input blocks it covers that hold elements):
+
+- ``e_i`` = biased exponent of input scale ``i`` (0..255; an fp32 scale must be ``+2**(e-127)`` or
+  ``+0.0``; a UE8M0 byte is the exponent itself);
+- ``E = max e_i``; ``e_out = max(E - 6, 1)``: the output scale is ``2**(e_out - 127)``, never the
+  UE8M0 byte 0 (which decodes to 0.0; §15.7 of the spec);
+- ``out = e4m3(fp4 * 2**(e_i - e_out))`` (``+-0`` for a zero scale). This is exact when
+  ``d_i = e_i - e_out`` is in ``[-8, 6]``: ``6 * 2**6 = 384 <= 448`` and the smallest fp4 step
+  ``0.5 * 2**-8 = 2**-9`` is the e4m3 subnormal step, so the admissible spread of the input scales of
+  one output block is ``2**14`` (1.0.0 allowed only ``2**11``).
+
+Inadmissible input (a scale that is not a non-negative power of two or zero, an inf/NaN scale or the
+UE8M0 byte 255, or ``d_i < -8``) is counted per 32-column row segment into a small int32 device
+counter; the wrapper raises ``ValueError`` when it is non-zero (``check=True``, the default: one host
+sync). ``check=False`` never synchronises (use it under CUDA graphs / ``torch.compile``); pass your own
+zeroed ``error_count`` (int32 ``(1,)``) to read the count later. Offending segments are written
+deterministically but not losslessly.
+
+``round_sf`` must be True (the output scales are powers of two by construction; False is rejected).
+Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`` powers of two with
+``32 <= bk_in <= bk_out <= 1024``; ``bm_in, bm_out`` powers of two, ``bm_out % bm_in == 0``,
+``bm_out <= 128``.
+
+Kernel: 256 threads; each thread turns one 16-byte fp4 vector (32 values of one row) into 32 e4m3
+bytes per pass, with integer/bit arithmetic plus the exact hardware fp32->e4m3 conversion; the block
+maximum of exponents is reduced with warp shuffles and shared-memory atomics; the token count and the
+input SF strides are runtime arguments.
+"""
+
+import torch
+import tilelang.language as T
+
+from tk_core import checks
+from tk_core.jit import kernel
+from tk_core.layout import align, ceil_div, is_power_of_two, sf_layout
+from tk_core.library import device_op
+
+from . import _tl
+from .per_block_cast import alloc_sf_storage
+
+OP = "per_block_cast_lossless"
+THREADS = 256
+SEG = 32  # logical fp4 values per thread per pass (16 bytes)
+
+
+def _tile(bm_out: int, bk_out: int) -> tuple[int, int, int, int]:
+    BK = max(bk_out, 128)
+    TPR = BK // SEG
+    RPP = THREADS // TPR
+    P = max(1, 128 // RPP, bm_out // RPP)
+    return BK, TPR, RPP, P
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
+
+
+@kernel
+def per_block_cast_lossless_kernel(hidden: int, bm_in: int, bk_in: int, in_kind: str, bm_out: int, bk_out: int, layout: str):
+    """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout."""
+    num_tokens = T.dynamic("num_tokens")
+    sf_in_len = T.dynamic("sf_in_len")
+    sf_len = T.dynamic("sf_len")
+    BK, TPR, RPP, P = _tile(bm_out, bk_out)
+    BM = RPP * P
+    WARPS = THREADS // 32
+    NBR = BM // bm_out  # output block rows per tile
+    NBC = BK // bk_out  # output block columns per tile
+    nk = ceil_div(hidden, bk_out)
+    in_dtype = "uint8" if in_kind == "packed" else "int32"
+    sf_dtype = "uint8" if layout == "packed" else "float32"
+    rows_per_warp = 32 // TPR
+    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // SEG and (1 << i) < TPR]
+    offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and (1 << i) < bm_out]
+
+    @T.prim_func
+    def main(
+        x: T.Tensor((num_tokens, hidden // 8), "int32"),
+        sf_in: T.Tensor((sf_in_len,), in_dtype),
+        out: T.Tensor((num_tokens, hidden // 4), "uint32"),
+        sf: T.Tensor((sf_len,), sf_dtype),
+        err: T.Tensor((1,), "int32"),
+        s0: T.int32,
+        s1: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(hidden, BK), T.ceildiv(num_tokens, BM), threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            xin = T.alloc_local((P, SEG // 8), "int32")
+            ow = T.alloc_local((SEG // 4,), "uint32")
+            ex = T.alloc_local((P,), "int32")
+            bad = T.alloc_local((P,), "int32")
+            mx = T.alloc_local((1,), "int32")
+            red = T.alloc_shared((NBR * NBC,), "int32")
+            nm = T.ceildiv(num_tokens, bm_out)
+            col = bx * BK + (tx % TPR) * SEG
+            cb = (tx % TPR) * SEG // bk_out  # output block column inside the tile
+            if tx < NBR * NBC:
+                red[tx] = 0
+            for p in T.unroll(P):
+                row = by * BM + p * RPP + tx // TPR
+                ex[p] = 0
+                bad[p] = 0
+                if row < num_tokens and col < hidden:
+                    for v in T.vectorized(SEG // 8):
+                        xin[p, v] = x[row, col // 8 + v]
+                    if in_kind == "packed":
+                        m_in = row // bm_in
+                        k_in = col // bk_in
+                        ex[p] = T.cast(sf_in[4 * (m_in * s0 + (k_in // 4) * s1) + k_in % 4], "int32")
+                        bad[p] = T.if_then_else(ex[p] == 255, 1, 0)
+                    else:
+                        b = sf_in[(row // bm_in) * s0 + (col // bk_in) * s1]
+                        ex[p] = T.bitwise_and(T.shift_right(b, 23), 0xFF)
+                        bad[p] = T.if_then_else(T.bitwise_and(b, T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
+            T.sync_threads()
+            for p in T.unroll(P):
+                mx[0] = ex[p]
+                for off in offsets:
+                    mx[0] = T.max(mx[0], T.shfl_xor(mx[0], off))
+                if (tx % 32) % TPR % (bk_out // SEG) == 0 and (tx % 32) // TPR % T.min(bm_out, rows_per_warp) == 0:
+                    T.atomic_max(red[((p * RPP + tx // TPR) // bm_out) * NBC + cb], mx[0])
+            T.sync_threads()
+            for p in T.unroll(P):
+                row = by * BM + p * RPP + tx // TPR
+                e_out = T.max(red[((p * RPP + tx // TPR) // bm_out) * NBC + cb] - 6, 1)
+                if row < num_tokens and col < hidden:
+                    d = ex[p] - e_out
+                    if ex[p] != 0 and d < -8:
+                        bad[p] = 1
+                    if bad[p] != 0:
+                        T.atomic_add(err[0], 1)
+                    scale = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
+                    # 8-entry LUT (magnitude code -> e4m3 byte at this scale) in two words for __byte_perm
+                    lut = T.alloc_local((2,), "uint32")
+                    lut[0] = T.uint32(0)
+                    lut[1] = T.uint32(0)
+                    for c in list(range(1, 8)):
+                        lut[c // 4] = T.bitwise_or(
+                            lut[c // 4],
+                            T.shift_left(
+                                T.cast(T.reinterpret(T.cast(T.float32(_FP4[c]) * scale, "float8_e4m3fn"), "uint8"), "uint32"),
+                                (c % 4) * 8,
+                            ),
+                        )
+                    for i in T.unroll(SEG // 8):
+                        for h in T.unroll(2):
+                            w = T.bitwise_and(T.shift_right(xin[p, i], 16 * h), 0xFFFF)
+                            sg = T.bitwise_and(w, 0x8888)
+                            y = T.bitwise_or(T.bitwise_and(sg, 0x88), T.shift_left(T.bitwise_and(sg, 0x8800), 8))
+                            ow[2 * i + h] = T.bitwise_or(
+                                T.call_extern("uint32", "__byte_perm", lut[0], lut[1], T.cast(T.bitwise_and(w, 0x7777), "uint32")),
+                                T.cast(
+                                    T.bitwise_or(
+                                        T.shift_left(T.bitwise_and(y, 0x080008), 4), T.shift_left(T.bitwise_and(y, 0x800080), 8)
+                                    ),
+                                    "uint32",
+                                ),
+                            )
+                    for j in T.vectorized(SEG // 4):
+                        out[row, col // 4 + j] = ow[j]
+                    if row % bm_out == 0 and col % bk_out == 0:
+                        m = row // bm_out
+                        k = col // bk_out
+                        if layout == "packed":
+                            sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.cast(e_out, "uint8")
+                            if k == nk - 1:
+                                for z in T.serial(align(nk, 4) - nk):
+                                    sf[_tl.sf_offset(layout, m, nk + z, nm, nk)] = T.uint8(0)
+                        else:
+                            sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
+
+    return main
+
+
+# --- device op ------------------------------------------------------------------------------------
+
+
+@device_op("tk_quant::per_block_cast_lossless_", mutates_args=("out", "sf_flat", "error_count"))
+def per_block_cast_lossless_(
+    data: torch.Tensor,
+    sf_in_flat: torch.Tensor,
+    s0: int,
+    s1: int,
+    out: torch.Tensor,
+    sf_flat: torch.Tensor,
+    error_count: torch.Tensor,
+    bm_in: int,
+    bk_in: int,
+    bm_out: int,
+    bk_out: int,
+    layout: str,
+) -> None:
+    in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
+    k = per_block_cast_lossless_kernel.get(
+        data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout
+    )
+    k(data.view(torch.int32), sf_in_flat, out.view(torch.uint32), sf_flat, error_count, s0, s1)
+
+
+# --- public function ------------------------------------------------------------------------------
+
+
+def _check_block(op: str, arg: str, block) -> tuple[int, int]:
+    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in block):
+        checks.fail(op, arg, "a pair of ints (bm, bk)", repr(block), TypeError)
+    bm, bk = block
+    if not (is_power_of_two(bm) and is_power_of_two(bk)):
+        checks.fail(op, arg, "powers of two", repr(tuple(block)))
+    return bm, bk
+
+
+def _sf_flat(sf: torch.Tensor):
+    """(flat storage, s0, s1) of an input SF; packed int32 -> bytes with word strides."""
+    s0, s1 = sf.stride()
+    extent = 1 + sum((n - 1) * s for n, s in zip(sf.shape, sf.stride()) if n > 0)
+    flat = sf.as_strided((extent,), (1,))
+    if sf.dtype == torch.int32:
+        return flat.view(torch.uint8), s0, s1
+    return flat.view(torch.int32), s0, s1
+
+
+def per_block_cast_lossless(
+    x: tuple[torch.Tensor, torch.Tensor],
+    fmt: str,
+    x_block_size: tuple[int, int],
+    out_block_size: tuple[int, int],
+    use_tma_aligned_col_major_sf: bool = False,
+    round_sf: bool = True,
+    use_packed_ue8m0: bool = False,
+    check: bool = True,
+    error_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-quantizes FP4 data with power-of-two block scales to e4m3 with coarser power-of-two scales,
+    losslessly (see the module docstring for the math and the admissible range).
+
+    ``x = (data int8 (T, H/2), sf)`` with input blocks ``x_block_size``; returns ``(out e4m3 (T, H),
+    sf_out)`` with blocks ``out_block_size`` in the layout of the flags. ``check=True`` synchronises
+    once and raises ``ValueError`` if any input scale is inadmissible; ``check=False`` does not
+    synchronise (CUDA graphs); ``error_count`` (int32 ``(1,)``, zeroed by the caller) receives the count
+    of offending 32-column row segments.
+    """
+    from .common import check_quant_input
+
+    if fmt != "e4m3":
+        checks.fail(OP, "fmt", "'e4m3'", repr(fmt))
+    if not round_sf:
+        checks.fail(OP, "round_sf", "True (lossless output scales are always powers of two)", round_sf)
+    q = check_quant_input(OP, x, x_block_size, data_fmts=("e2m1",))
+    data, sf_in = x
+    checks.check_contiguous(OP, "x[0] (data)", data)
+    bm_in, bk_in = _check_block(OP, "x_block_size", x_block_size)
+    bm_out, bk_out = _check_block(OP, "out_block_size", out_block_size)
+    t, h = q.t, q.h
+    checks.check_divisible(OP, "hidden (logical)", h, SEG)
+    if not 32 <= bk_in <= bk_out <= 1024:
+        checks.fail(OP, "x_block_size[1] and out_block_size[1]", "powers of two with 32 <= bk_in <= bk_out <= 1024", (bk_in, bk_out))
+    if bm_out % bm_in or bm_out > 128:
+        checks.fail(OP, "out_block_size[0]", f"a multiple of x_block_size[0]={bm_in} and at most 128", bm_out)
+    if sf_in.dtype not in (torch.float32, torch.int32):
+        checks.fail(OP, "x[1] (sf)", "float32 or packed UE8M0 int32 power-of-two scales", sf_in.dtype, TypeError)
+    checks.check_same_device(OP, "x[1] (sf)", sf_in, data.device)
+    layout = sf_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, True)
+    if error_count is not None:
+        checks.check_dtype(OP, "error_count", error_count, torch.int32)
+        checks.check_shape(OP, "error_count", error_count, (1,))
+        checks.check_same_device(OP, "error_count", error_count, data.device)
+    if data.device.type != "cuda":
+        from . import reference
+
+        out, sf, n_err = reference.per_block_cast_lossless(
+            x, fmt, (bm_in, bk_in), (bm_out, bk_out), use_tma_aligned_col_major_sf, True, use_packed_ue8m0
+        )
+        if error_count is not None:
+            error_count += n_err
+        if check and n_err:
+            checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
+                        f"{n_err} inadmissible 32-column row segments")
+        return out, sf
+    out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=data.device)
+    flat, sf = alloc_sf_storage(ceil_div(t, bm_out), ceil_div(h, bk_out), layout, data.device)
+    if t:
+        err = error_count if error_count is not None else torch.zeros(1, dtype=torch.int32, device=data.device)
+        sf_in_flat, s0, s1 = _sf_flat(sf_in)
+        per_block_cast_lossless_(data, sf_in_flat, s0, s1, out, flat, err, bm_in, bk_in, bm_out, bk_out, layout)
+        if check:
+            n_err = int(err.item()) if error_count is None else None
+            if error_count is not None:
+                n_err = int(err.item())
+            if n_err:
+                checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
+                            f"{n_err} inadmissible 32-column row segments")
+    return out, sf
