@@ -1,5 +1,20 @@
 """tk-quant: FP8 (e4m3), FP4 (e2m1) and E5M6 quantization kernels."""
 
 from .__about__ import __version__
+from .cast_back import cast_back, cast_back_e5m6, per_token_cast_back
+from .common import QuantTensor, unpack_from_e2m1fn_x2
+from .per_token_cast import per_token_cast, per_token_cast_with_precomputed_sf, per_token_cast_with_sf_only
+from .per_token_cast_e5m6 import per_token_cast_to_e5m6
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "QuantTensor",
+    "cast_back",
+    "cast_back_e5m6",
+    "per_token_cast",
+    "per_token_cast_back",
+    "per_token_cast_to_e5m6",
+    "per_token_cast_with_precomputed_sf",
+    "per_token_cast_with_sf_only",
+    "unpack_from_e2m1fn_x2",
+]
