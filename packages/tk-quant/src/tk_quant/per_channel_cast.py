@@ -1,0 +1,392 @@
+"""Per-channel casts: e4m3 with one scale per ``(bm, 1)`` block (``bm`` tokens of one channel).
+
+Math (``v`` the fp32 input rows, ``(T_out, H)``):
+
+- ``A[b, j] = max |v[t, j]|`` over the tokens ``t`` of block ``b`` (``b = t // bm``; a partial last block
+  uses its valid rows); the scale rule of ``tk_core.formats.compute_scales`` with ``Q = 448`` and the
+  e4m3 amax floor gives ``sf[b, j]`` (dequantization scale) and ``sf_inv``;
+- ``out[t, j] = e4m3(v[t, j] * sf_inv[t // bm, j])`` (RNE, saturating).
+
+``sf`` is always row-major fp32 ``(ceil(T_out/bm), H)``.
+
+Ops:
+
+- ``per_channel_cast(x, fmt, num_per_tokens=128, round_sf)``: ``x`` bf16/fp32 ``(T, H)``.
+- ``per_channel_cast_fused(x, fmt, num_per_tokens=128, round_sf, num_per_channels=None, pos_to_token=None)``:
+  ``x`` is bf16/fp32 ``(T, H)`` or a QuantTensor ``(e4m3 (T, H), fp32 sf (T, H/128))`` with per-token
+  ``1 x 128`` scales (``num_per_channels == 128``), then ``v = (decode(x) * s_in)``, and
+  ``out = (decode(x) * s_in) * sf_inv`` left to right. ``pos_to_token`` (int32 ``(T_out,)``) gathers rows:
+  output row ``r`` is input row ``pos_to_token[r]``, or zeros when it is negative. Indices ``>= T`` are
+  counted on the device and raise ``ValueError`` with ``check=True`` (one host sync; the rows are
+  written as zeros); ``check=False`` skips the sync (CUDA graphs), ``error_count`` receives the count.
+- ``per_channel_cast_and_transpose(x, fmt, num_per_tokens in {32, 128}, round_sf)``: ``x`` bf16; the data
+  is returned transposed, e4m3 ``(H, T)``, the SF is not transposed. Needs ``T % 16 == 0``.
+
+Constraints: ``fmt == 'e4m3'``; ``H % 64 == 0`` (``H % 128 == 0`` for QuantTensor input); contiguous
+inputs; outputs on ``x``'s device. Reference: ``tk_quant.reference.cast(x, 'e4m3', (bm, 1), round_sf)`` and
+``tk_quant.reference.per_channel_cast_fused``.
+
+Kernel: 256 threads over a 128-token x 64-channel tile; each thread loads 8 channels (one 16-byte bf16
+vector) of 4 rows and keeps them in registers; the column amax goes through warp shuffles and one
+shared-memory exchange; the transposed variant stages the e4m3 tile in padded shared memory and stores
+16-byte runs of tokens. The token counts are dynamic.
+"""
+
+import torch
+import tilelang.language as T
+
+from tk_core import checks
+from tk_core.config import get_amax_clamp
+from tk_core.jit import kernel
+from tk_core.layout import ceil_div
+from tk_core.library import device_op
+
+from . import _tl
+
+VEC = 8
+THREADS = 256
+BM = 128  # tokens per tile
+BK = 64  # channels per tile
+TPR = BK // VEC  # 8 threads per row
+RPP = THREADS // TPR  # 32 rows per pass
+P = BM // RPP  # 4 passes
+WARPS = THREADS // 32
+ROWS_PER_WARP = 32 // TPR * P  # 16: each thread owns P adjacent rows
+PADW = BM // 4 + 1  # words per staged channel row (odd: few bank conflicts)
+_IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@kernel
+def per_channel_cast_kernel(in_dtype: str, hidden: int, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool):
+    """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales)."""
+    num_tokens = T.dynamic("num_tokens")
+    num_out = T.dynamic("num_out")
+    NBT = BM // bm  # scale blocks per tile
+    assert BM % bm == 0 and bm % ROWS_PER_WARP == 0
+    nt16 = T.dynamic("nt16")
+    out_shape = (hidden, nt16, 4) if transpose else (num_out, hidden)
+    out_dtype = "uint32" if transpose else "float8_e4m3fn"
+
+    WPB = bm // ROWS_PER_WARP  # warps per scale block
+
+    @T.macro
+    def body(x, x_sf, pos, out, sf, err, clamp_min):
+        with T.Kernel(hidden // BK, T.ceildiv(num_out, BM), threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            xv = T.alloc_local((P, VEC), "float32")
+            am = T.alloc_local((VEC,), "float32")
+            si = T.alloc_local((VEC,), "float32")
+            ok = T.alloc_local((1,), "int32")
+            src = T.alloc_local((1,), "int32")
+            red = T.alloc_shared((WARPS, BK), "float32")
+            sis = T.alloc_shared((NBT, BK), "float32")
+            c8 = (tx % TPR) * VEC
+            col = bx * BK + c8
+            r0 = (tx // TPR) * P  # this thread's first row in the tile (P adjacent rows, one scale block)
+            for v in T.unroll(VEC):
+                am[v] = T.float32(0)
+            for p in T.unroll(P):
+                r = by * BM + r0 + p
+                src[0] = r
+                ok[0] = T.if_then_else(r < num_out, 1, 0)
+                if gather:
+                    src[0] = T.if_then_else(r < num_out, pos[T.min(r, num_out - 1)], -1)
+                    if src[0] >= num_tokens:
+                        ok[0] = 0
+                        if bx == 0 and tx % TPR == 0:
+                            T.atomic_add(err[0], 1)
+                    if src[0] < 0:
+                        ok[0] = 0
+                if ok[0] != 0:
+                    if quant_in:
+                        s_in = x_sf[src[0], col // 128]
+                        for v in T.unroll(VEC):
+                            xv[p, v] = T.cast(x[src[0], col + v], "float32") * s_in
+                    else:
+                        for v in T.vectorized(VEC):
+                            xv[p, v] = T.cast(x[src[0], col + v], "float32")
+                else:
+                    for v in T.unroll(VEC):
+                        xv[p, v] = T.float32(0)
+                for v in T.unroll(VEC):
+                    am[v] = T.max(am[v], T.abs(xv[p, v]))
+            for v in T.unroll(VEC):
+                am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
+                am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
+                if tx % 32 < TPR:
+                    red[tx // 32, c8 + v] = am[v]
+            T.sync_threads()
+            if tx < NBT * BK:
+                b = tx // BK
+                c = tx % BK
+                m = T.alloc_local((1,), "float32")
+                m[0] = red[b * WPB, c]
+                for w in T.unroll(1, WPB):
+                    m[0] = T.max(m[0], red[b * WPB + w, c])
+                s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
+                sis[b, c] = s_inv
+                if (by * NBT + b) * bm < num_out:
+                    sf[by * NBT + b, bx * BK + c] = s
+            T.sync_threads()
+            for v in T.unroll(VEC):
+                si[v] = sis[r0 // bm, c8 + v]
+            if transpose:
+                qs = T.alloc_shared((BK, PADW), "uint32")
+                ql = T.alloc_local((P,), "float8_e4m3fn")
+                ow = T.alloc_local((4,), "uint32")
+                for v in T.unroll(VEC):
+                    for p in T.unroll(P):
+                        ql[p] = T.cast(xv[p, v] * si[v], "float8_e4m3fn")
+                    qs[c8 + v, r0 // 4] = T.bitwise_or(
+                        T.bitwise_or(
+                            T.cast(T.reinterpret(ql[0], "uint8"), "uint32"),
+                            T.shift_left(T.cast(T.reinterpret(ql[1], "uint8"), "uint32"), 8),
+                        ),
+                        T.bitwise_or(
+                            T.shift_left(T.cast(T.reinterpret(ql[2], "uint8"), "uint32"), 16),
+                            T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
+                        ),
+                    )
+                T.sync_threads()
+                for q in T.unroll(BK * BM // 16 // THREADS):
+                    chunk = q * THREADS + tx
+                    c = chunk // (BM // 16)
+                    k = chunk % (BM // 16)
+                    if by * (BM // 16) + k < nt16:
+                        for v in T.unroll(4):
+                            ow[v] = qs[c, 4 * k + v]
+                        for v in T.vectorized(4):
+                            out[bx * BK + c, by * (BM // 16) + k, v] = ow[v]
+            else:
+                for p in T.unroll(P):
+                    r = by * BM + r0 + p
+                    if r < num_out:
+                        for v in T.vectorized(VEC):
+                            out[r, col + v] = T.cast(xv[p, v] * si[v], "float8_e4m3fn")
+
+    if gather and quant_in:
+
+        @T.prim_func
+        def main(
+            x: T.Tensor((num_tokens, hidden), in_dtype),
+            x_sf: T.Tensor((num_tokens, hidden // 128), "float32"),
+            pos: T.Tensor((num_out,), "int32"),
+            out: T.Tensor(out_shape, out_dtype),
+            sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
+            err: T.Tensor((1,), "int32"),
+            clamp_min: T.float32,
+        ):
+            body(x, x_sf, pos, out, sf, err, clamp_min)
+
+    elif gather:
+
+        @T.prim_func
+        def main(
+            x: T.Tensor((num_tokens, hidden), in_dtype),
+            pos: T.Tensor((num_out,), "int32"),
+            out: T.Tensor(out_shape, out_dtype),
+            sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
+            err: T.Tensor((1,), "int32"),
+            clamp_min: T.float32,
+        ):
+            body(x, None, pos, out, sf, err, clamp_min)
+
+    elif quant_in:
+
+        @T.prim_func
+        def main(
+            x: T.Tensor((num_out, hidden), in_dtype),
+            x_sf: T.Tensor((num_out, hidden // 128), "float32"),
+            out: T.Tensor(out_shape, out_dtype),
+            sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
+            clamp_min: T.float32,
+        ):
+            body(x, x_sf, None, out, sf, None, clamp_min)
+
+    else:
+
+        @T.prim_func
+        def main(
+            x: T.Tensor((num_out, hidden), in_dtype),
+            out: T.Tensor(out_shape, out_dtype),
+            sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
+            clamp_min: T.float32,
+        ):
+            body(x, None, None, out, sf, None, clamp_min)
+
+    return main
+
+
+# --- device ops -----------------------------------------------------------------------------------
+
+
+def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool):
+    in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
+    return per_channel_cast_kernel.get(
+        x.device, in_dtype=in_dtype, hidden=x.shape[1], bm=bm, round_sf=round_sf, gather=gather, quant_in=quant_in, transpose=transpose
+    )
+
+
+@device_op("tk_quant::per_channel_cast_", mutates_args=("out", "sf"))
+def per_channel_cast_(x: torch.Tensor, out: torch.Tensor, sf: torch.Tensor, bm: int, round_sf: bool, transpose: bool, clamp_min: float) -> None:
+    k = _kernel_for(x, bm, round_sf, False, False, transpose)
+    if transpose:
+        out = out.view(torch.uint32).view(out.shape[0], -1, 4)
+    k(x, out, sf, clamp_min)
+
+
+@device_op("tk_quant::per_channel_cast_fused_", mutates_args=("out", "sf", "error_count"))
+def per_channel_cast_fused_(
+    x: torch.Tensor,
+    x_sf: torch.Tensor | None,
+    pos_to_token: torch.Tensor | None,
+    out: torch.Tensor,
+    sf: torch.Tensor,
+    error_count: torch.Tensor,
+    round_sf: bool,
+    clamp_min: float,
+) -> None:
+    quant_in = x_sf is not None
+    k = _kernel_for(x, 128, round_sf, pos_to_token is not None, quant_in, False)
+    args = [x] + ([x_sf] if quant_in else []) + ([pos_to_token] if pos_to_token is not None else []) + [out, sf]
+    if pos_to_token is not None:
+        args.append(error_count)
+    k(*args, clamp_min)
+
+
+# --- public functions -----------------------------------------------------------------------------
+
+
+def _check_common(op: str, fmt: str, num_per_tokens: int, allowed=(128,)) -> None:
+    checks.check_one_of(op, "fmt", fmt, ("e4m3",))
+    checks.check_one_of(op, "num_per_tokens", num_per_tokens, allowed)
+
+
+def _check_plain(op: str, x, dtypes=tuple(_IN_DTYPES)) -> None:
+    checks.check_dtype(op, "x", x, dtypes)
+    checks.check_ndim(op, "x", x, 2)
+    checks.check_contiguous(op, "x", x)
+    checks.check_divisible(op, "x.shape[1] (hidden)", x.shape[1], 64)
+
+
+def per_channel_cast(x: torch.Tensor, fmt: str, num_per_tokens: int = 128, round_sf: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel e4m3 cast: one scale per 128 tokens of each channel (see the module docstring).
+
+    ``x``: bf16/fp32 ``(T, H)``, contiguous, ``H % 64 == 0``, any ``T`` (a partial last block uses its
+    valid rows). Returns ``(out e4m3 (T, H), sf fp32 (ceil(T/128), H))``, bit-exact with
+    ``reference.cast(x, 'e4m3', (128, 1), round_sf=round_sf)``.
+    """
+    op = "per_channel_cast"
+    _check_common(op, fmt, num_per_tokens)
+    _check_plain(op, x)
+    if x.device.type != "cuda":
+        from . import reference
+
+        return reference.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
+    t, h = x.shape
+    out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty((ceil_div(t, num_per_tokens), h), dtype=torch.float32, device=x.device)
+    if t:
+        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), False, get_amax_clamp("e4m3"))
+    return out, sf
+
+
+def per_channel_cast_and_transpose(
+    x: torch.Tensor, fmt: str, num_per_tokens: int, round_sf: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel e4m3 cast with the data transposed: ``out[j, t] = e4m3(x[t, j] * sf_inv[t // bm, j])``.
+
+    ``x``: bf16 ``(T, H)``, contiguous, ``T % 16 == 0``, ``H % 64 == 0``; ``num_per_tokens`` (``bm``) in
+    {32, 128}. Returns ``(out e4m3 (H, T), sf fp32 (ceil(T/bm), H))`` (the SF is not transposed),
+    bit-exact with ``reference.cast(x, 'e4m3', (bm, 1), round_sf)`` with the data transposed.
+    """
+    op = "per_channel_cast_and_transpose"
+    _check_common(op, fmt, num_per_tokens, (32, 128))
+    _check_plain(op, x, (torch.bfloat16,))
+    t, h = x.shape
+    checks.check_divisible(op, "x.shape[0] (num_tokens)", t, 16)
+    if x.device.type != "cuda":
+        from . import reference
+
+        out, sf = reference.cast(x, "e4m3", (num_per_tokens, 1), round_sf=round_sf)
+        return out.t().contiguous(), sf
+    out = torch.empty((h, t), dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty((ceil_div(t, num_per_tokens), h), dtype=torch.float32, device=x.device)
+    if t:
+        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), True, get_amax_clamp("e4m3"))
+    return out, sf
+
+
+def per_channel_cast_fused(
+    x,
+    fmt: str,
+    num_per_tokens: int = 128,
+    round_sf: bool = False,
+    num_per_channels: int | None = None,
+    pos_to_token: torch.Tensor | None = None,
+    check: bool = True,
+    error_count: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel e4m3 cast with an optional row gather and optional per-token-quantized input.
+
+    ``x``: bf16/fp32 ``(T, H)`` (``num_per_channels`` None), or ``(data e4m3 (T, H), sf fp32 (T, H/128))``
+    with ``num_per_channels == 128`` (both contiguous, ``H % 128 == 0``). ``pos_to_token``: optional
+    contiguous int32 ``(T_out,)``; row ``r`` of the output is input row ``pos_to_token[r]``, zeros for a
+    negative index. Returns ``(out e4m3 (T_out, H), sf fp32 (ceil(T_out/128), H))`` on ``x``'s device,
+    bit-exact with ``reference.per_channel_cast_fused``. Indices ``>= T`` raise ``ValueError`` with
+    ``check=True`` (one host sync); with ``check=False`` they are only counted into ``error_count``
+    (int32 ``(1,)``, zeroed by the caller) and their rows are zeros.
+    """
+    op = "per_channel_cast_fused"
+    _check_common(op, fmt, num_per_tokens)
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            checks.fail(op, "x", "a tensor or a QuantTensor (data, sf)", f"a sequence of length {len(x)}", TypeError)
+        if num_per_channels != 128:
+            checks.fail(op, "num_per_channels", "128 for a QuantTensor input", num_per_channels)
+        data, x_sf = x
+        _check_plain(op, data, (torch.float8_e4m3fn,))
+        checks.check_divisible(op, "x[0].shape[1] (hidden)", data.shape[1], 128)
+        checks.check_dtype(op, "x[1] (sf)", x_sf, torch.float32)
+        checks.check_shape(op, "x[1] (sf)", x_sf, (data.shape[0], data.shape[1] // 128))
+        checks.check_contiguous(op, "x[1] (sf)", x_sf)
+        checks.check_same_device(op, "x[1] (sf)", x_sf, data.device)
+    else:
+        if num_per_channels is not None:
+            checks.fail(op, "num_per_channels", "None for a plain tensor input", num_per_channels)
+        data, x_sf = x, None
+        _check_plain(op, data)
+    t, h = data.shape
+    t_out = t
+    if pos_to_token is not None:
+        checks.check_dtype(op, "pos_to_token", pos_to_token, torch.int32)
+        checks.check_ndim(op, "pos_to_token", pos_to_token, 1)
+        checks.check_contiguous(op, "pos_to_token", pos_to_token)
+        checks.check_same_device(op, "pos_to_token", pos_to_token, data.device)
+        t_out = pos_to_token.shape[0]
+    if error_count is not None:
+        checks.check_dtype(op, "error_count", error_count, torch.int32)
+        checks.check_shape(op, "error_count", error_count, (1,))
+    if data.device.type != "cuda":
+        from . import reference
+
+        if pos_to_token is not None:
+            n_bad = int((pos_to_token >= t).sum())
+            if error_count is not None:
+                error_count += n_bad
+            if check and n_bad:
+                checks.fail(op, "pos_to_token", f"indices < num_tokens={t}", f"{n_bad} indices out of range")
+        return reference.per_channel_cast_fused(x, num_per_tokens, num_per_channels, round_sf, pos_to_token)
+    out = torch.empty((t_out, h), dtype=torch.float8_e4m3fn, device=data.device)
+    sf = torch.empty((ceil_div(t_out, num_per_tokens), h), dtype=torch.float32, device=data.device)
+    if t_out:
+        if pos_to_token is not None:
+            err = error_count if error_count is not None else torch.zeros(1, dtype=torch.int32, device=data.device)
+        else:
+            err = error_count if error_count is not None else sf  # unused by the kernel without a gather
+        per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), get_amax_clamp("e4m3"))
+        if check and pos_to_token is not None:
+            n_bad = int(err.item())
+            if n_bad:
+                checks.fail(op, "pos_to_token", f"indices < num_tokens={t}", f"{n_bad} indices out of range")
+    return out, sf
