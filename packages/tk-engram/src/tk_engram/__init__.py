@@ -2,4 +2,22 @@
 
 from .__about__ import __version__
 
-__all__ = ["__version__"]
+# Engram hashing and gating
+from .fused_weight import fused_weight
+from .gate import engram_gate_bwd, engram_gate_fwd, grad_w_reduce
+from .gate_fn import EngramGateFn, engram_gate
+from .hash import engram_hash
+from .reference import make_offsets
+
+__all__ = [
+    "__version__",
+    # Engram hashing and gating
+    "EngramGateFn",
+    "engram_gate",
+    "engram_gate_bwd",
+    "engram_gate_fwd",
+    "engram_hash",
+    "fused_weight",
+    "grad_w_reduce",
+    "make_offsets",
+]

@@ -1,0 +1,416 @@
+"""TileLang kernels of the Engram gate: forward, backward and the weight-gradient reduction.
+
+Private module; the public ops live in ``gate.py``. Every kernel is written thread by thread: a thread
+owns 8-element (16-byte) column vectors ``d0 = (r * threads + tx) * 8`` for ``r < R`` of one row, so all
+global accesses are 16-byte vectors and no shared-memory staging is needed. Only compile-time
+parameters are the number of streams ``n``, the hidden size, the thread count and flags; the token
+count, the input strides (in units of 8 elements), eps, clamp and the backward chunk size are runtime
+arguments.
+
+Strided inputs are passed as flat 1-D views of their storage span (see ``gate._flat``) with their
+row strides divided by 8, so the vector alignment is provable and no stride is baked into a kernel.
+"""
+
+import tilelang.language as T
+
+from tk_core.jit import kernel
+
+VEC = 8  # bf16 elements per 16-byte vector
+BF16 = "bfloat16"
+F32 = "float32"
+
+
+def threads_for(hidden: int) -> int:
+    """128 threads, doubled until a thread owns at most 8 vectors of a row (hidden <= 65536)."""
+    threads = 128
+    while -(-hidden // (VEC * threads)) > 8 and threads < 1024:
+        threads *= 2
+    return threads
+
+
+def _inv_sqrt_hidden(hidden: int):
+    # Correctly rounded sqrtf then an IEEE division: the same float32 value as the reference's
+    # ``1 / sqrt(float32(H))``.
+    return T.float32(1.0) / T.sqrt(T.float32(hidden))
+
+
+# The flat strided views are indexed past what TileLang can prove in bounds; the host guarantees it.
+PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+@kernel(pass_configs=PASS_CONFIGS)
+def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
+    """One CTA per (token, stream), stream fastest so the n CTAs sharing ``v[t]`` run together.
+
+    Each thread loads its x and k vectors (kept in registers), accumulates sum x^2, sum k^2 and
+    sum x*w*k in float32, the three sums are reduced over the warp (shuffles) and then over the warps
+    in a fixed order (shared memory), then the gate is formed and out = x + g * v is written.
+    """
+    R = -(-hidden // (VEC * threads))
+    W = threads // 32
+    nt = T.dynamic("num_tokens")
+    lx, lk, lv = T.dynamic("len_x, len_k, len_v", "int64")
+
+    @T.macro
+    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp):
+        with T.Kernel(nt * n, threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(4)
+            tx = T.get_thread_binding()
+            t = bid // n
+            h = bid % n
+            xl = T.alloc_local((R, VEC), BF16)
+            kl = T.alloc_local((R, VEC), BF16)
+            vl = T.alloc_local((R, VEC), BF16)
+            wl = T.alloc_local((VEC,), F32)
+            acc = T.alloc_local((3,), F32)
+            red = T.alloc_shared((W, 3), F32)
+            gv = T.alloc_var(F32)
+            rxv = T.alloc_var(F32)
+            rkv = T.alloc_var(F32)
+            sv = T.alloc_var(F32)
+            xbase = (T.cast(t, "int64") * sx0 + T.cast(h, "int64") * sx1) * VEC
+            kbase = (T.cast(t, "int64") * sk0 + T.cast(h, "int64") * sk1) * VEC
+            vbase = T.cast(t, "int64") * sv0 * VEC
+            for i in T.unroll(3):
+                acc[i] = T.float32(0)
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        xl[r, j] = X[xbase + d0 + j]
+                    for j in T.vectorized(VEC):
+                        kl[r, j] = K[kbase + d0 + j]
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        vl[r, j] = V[vbase + d0 + j]
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        wl[j] = Wf[h, d0 + j]
+                    for j in T.unroll(VEC):
+                        acc[0] += T.cast(xl[r, j], F32) * T.cast(xl[r, j], F32)
+                        acc[1] += T.cast(kl[r, j], F32) * T.cast(kl[r, j], F32)
+                        acc[2] += T.cast(xl[r, j], F32) * wl[j] * T.cast(kl[r, j], F32)
+            for i in T.unroll(3):
+                acc[i] = T.warp_reduce_sum(acc[i])
+            if tx % 32 == 0:
+                for i in T.unroll(3):
+                    red[tx // 32, i] = acc[i]
+            T.sync_threads()
+            for i in T.unroll(3):
+                acc[i] = red[0, i]
+                for w in T.unroll(1, W):
+                    acc[i] += red[w, i]
+            rxv = T.float32(1.0) / T.sqrt(acc[0] / T.float32(hidden) + eps)
+            rkv = T.float32(1.0) / T.sqrt(acc[1] / T.float32(hidden) + eps)
+            sv = acc[2] * rxv * rkv * _inv_sqrt_hidden(hidden)
+            # sign(s) * sqrt(max(|s|, clamp)); sign(0) = 0 so g(0) = 1/2 (and NaN propagates).
+            gv = T.sqrt(T.max(T.abs(sv), clamp))
+            gv = T.if_then_else(sv > 0, gv, T.if_then_else(sv < 0, -gv, sv))
+            gv = T.float32(1.0) / (T.float32(1.0) + T.exp(-gv))
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        Out[t, h, d0 + j] = T.cast(
+                            T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16
+                        )
+            if save:
+                if tx == 0:
+                    Dot[t, h] = acc[2]
+                    Gate[t, h] = gv
+                    Rx[t, h] = rxv
+                    Rk[t, h] = rkv
+
+    if save:
+
+        @T.prim_func
+        def fwd_save(
+            X: T.Tensor((lx,), BF16),
+            K: T.Tensor((lk,), BF16),
+            V: T.Tensor((lv,), BF16),
+            Wf: T.Tensor((n, hidden), F32),
+            Out: T.Tensor((nt, n, hidden), BF16),
+            Dot: T.Tensor((nt, n), F32),
+            Gate: T.Tensor((nt, n), F32),
+            Rx: T.Tensor((nt, n), F32),
+            Rk: T.Tensor((nt, n), F32),
+            sx0: T.int64,
+            sx1: T.int64,
+            sk0: T.int64,
+            sk1: T.int64,
+            sv0: T.int64,
+            eps: T.float32,
+            clamp: T.float32,
+        ):
+            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp)
+
+        return fwd_save
+
+    @T.prim_func
+    def fwd_nosave(
+        X: T.Tensor((lx,), BF16),
+        K: T.Tensor((lk,), BF16),
+        V: T.Tensor((lv,), BF16),
+        Wf: T.Tensor((n, hidden), F32),
+        Out: T.Tensor((nt, n, hidden), BF16),
+        sx0: T.int64,
+        sx1: T.int64,
+        sk0: T.int64,
+        sk1: T.int64,
+        sv0: T.int64,
+        eps: T.float32,
+        clamp: T.float32,
+    ):
+        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp)
+
+    return fwd_nosave
+
+
+@kernel(pass_configs=PASS_CONFIGS)
+def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
+    """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
+
+    CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
+    G, x, k and v vectors, reduces dg = sum_d G v over the CTA (fixed order; the reduction scratch is
+    double-buffered by token parity so one barrier per token suffices), then writes grad_x and grad_k
+    and accumulates ddot * x * k for grad_w in registers. grad_v[t] = sum_h g_h G_h (heads in order 0..n-1)
+    is split among the n CTAs of a chunk: CTA h computes the vectors (r, warp) with (r + warp) % n == h,
+    reading the other streams' G (L2 hits: the n CTAs of a chunk run side by side). At the end the CTA
+    writes its partial grad_w row ``Partial[p, h, :]`` (zeros when it had no token): no atomics.
+    """
+    R = -(-hidden // (VEC * threads))
+    W = threads // 32
+    nt = T.dynamic("num_tokens")
+    nparts = T.dynamic("num_parts")
+    lg, lx, lk, lv = T.dynamic("len_g, len_x, len_k, len_v", "int64")
+
+    @T.prim_func
+    def bwd(
+        G: T.Tensor((lg,), BF16),
+        X: T.Tensor((lx,), BF16),
+        K: T.Tensor((lk,), BF16),
+        V: T.Tensor((lv,), BF16),
+        Wf: T.Tensor((n, hidden), F32),
+        Dot: T.Tensor((nt, n), F32),
+        Gate: T.Tensor((nt, n), F32),
+        Rx: T.Tensor((nt, n), F32),
+        Rk: T.Tensor((nt, n), F32),
+        GX: T.Tensor((nt, n, hidden), BF16),
+        GK: T.Tensor((nt, n, hidden), BF16),
+        GV: T.Tensor((nt, hidden), BF16),
+        Partial: T.Tensor((nparts, n, hidden), F32),
+        sg0: T.int64,
+        sg1: T.int64,
+        sx0: T.int64,
+        sx1: T.int64,
+        sk0: T.int64,
+        sk1: T.int64,
+        sv0: T.int64,
+        clamp: T.float32,
+        chunk: T.int32,
+    ):
+        with T.Kernel(nparts * n, threads=threads) as bid:
+            T.annotate_min_blocks_per_sm(blocks_per_sm)
+            tx = T.get_thread_binding()
+            p = bid // n
+            h = bid % n
+            gl = T.alloc_local((R, VEC), BF16)
+            xl = T.alloc_local((R, VEC), BF16)
+            kl = T.alloc_local((R, VEC), BF16)
+            vl = T.alloc_local((R, VEC), BF16)
+            wl = T.alloc_local((VEC,), F32)
+            acc = T.alloc_local((R, VEC), F32)
+            gvacc = T.alloc_local((VEC,), F32)
+            gtmp = T.alloc_local((VEC,), BF16)
+            ox = T.alloc_local((VEC,), F32)
+            ok = T.alloc_local((VEC,), F32)
+            red = T.alloc_shared((2, W), F32)
+            dg = T.alloc_var(F32)
+            dot = T.alloc_var(F32)
+            gate = T.alloc_var(F32)
+            rx = T.alloc_var(F32)
+            rk = T.alloc_var(F32)
+            s = T.alloc_var(F32)
+            ddot = T.alloc_var(F32)
+            ca = T.alloc_var(F32)
+            cb = T.alloc_var(F32)
+            g2 = T.alloc_var(F32)
+            for r in T.unroll(R):
+                for j in T.unroll(VEC):
+                    acc[r, j] = T.float32(0)
+            t_begin = p * chunk
+            t_end = T.min(t_begin + chunk, nt)
+            for t in T.serial(t_begin, t_end):
+                t64 = T.cast(t, "int64")
+                gbase = (t64 * sg0 + T.cast(h, "int64") * sg1) * VEC
+                xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
+                kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
+                vbase = t64 * sv0 * VEC
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            gl[r, j] = G[gbase + d0 + j]
+                        for j in T.vectorized(VEC):
+                            vl[r, j] = V[vbase + d0 + j]
+                        for j in T.vectorized(VEC):
+                            xl[r, j] = X[xbase + d0 + j]
+                        for j in T.vectorized(VEC):
+                            kl[r, j] = K[kbase + d0 + j]
+                dot = Dot[t, h]
+                gate = Gate[t, h]
+                rx = Rx[t, h]
+                rk = Rk[t, h]
+                dg = T.float32(0)
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.unroll(VEC):
+                            dg += T.cast(gl[r, j], F32) * T.cast(vl[r, j], F32)
+                dg = T.warp_reduce_sum(dg)
+                if tx % 32 == 0:
+                    red[t % 2, tx // 32] = dg
+                T.sync_threads()
+                dg = red[t % 2, 0]
+                for w in T.unroll(1, W):
+                    dg += red[t % 2, w]
+                # Same expression (and order) as the forward's s, so the clamp mask matches it.
+                s = dot * rx * rk * _inv_sqrt_hidden(hidden)
+                ddot = T.if_then_else(
+                    T.abs(s) >= clamp,
+                    dg * gate * (T.float32(1) - gate) * T.float32(0.5)
+                    * T.sqrt(_inv_sqrt_hidden(hidden) * rx * rk / T.abs(dot)),
+                    T.float32(0),
+                )
+                ca = dot * rx * rx / T.float32(hidden)
+                cb = dot * rk * rk / T.float32(hidden)
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            wl[j] = Wf[h, d0 + j]
+                        for j in T.unroll(VEC):
+                            ox[j] = T.cast(gl[r, j], F32) + ddot * (
+                                T.cast(kl[r, j], F32) * wl[j] - T.cast(xl[r, j], F32) * ca
+                            )
+                            ok[j] = ddot * (T.cast(xl[r, j], F32) * wl[j] - T.cast(kl[r, j], F32) * cb)
+                            acc[r, j] += ddot * T.cast(xl[r, j], F32) * T.cast(kl[r, j], F32)
+                        for j in T.vectorized(VEC):
+                            GX[t, h, d0 + j] = T.cast(ox[j], BF16)
+                        for j in T.vectorized(VEC):
+                            GK[t, h, d0 + j] = T.cast(ok[j], BF16)
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden and (r + tx // 32) % n == h:
+                        for j in T.unroll(VEC):
+                            gvacc[j] = T.float32(0)
+                        for h2 in T.unroll(n):
+                            g2 = Gate[t, h2]
+                            for j in T.vectorized(VEC):
+                                gtmp[j] = G[(t64 * sg0 + h2 * sg1) * VEC + d0 + j]
+                            for j in T.unroll(VEC):
+                                gvacc[j] += g2 * T.cast(gtmp[j], F32)
+                        for j in T.vectorized(VEC):
+                            GV[t, d0 + j] = T.cast(gvacc[j], BF16)
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        Partial[p, h, d0 + j] = acc[r, j]
+
+    return bwd
+
+
+@kernel
+def grad_w_reduce_kernel(n: int, hidden: int):
+    """S = sum_p Partial[p] in the fixed order p = 0, 1, ..., B-1 (B is a runtime size), then
+    GWh += S * float(We) and GWe += S * float(Wh), each a rounded product then a rounded sum (no FMA), as
+    the reference's ``acc += S * w`` does. A thread owns 4 consecutive columns of the flat (n * H)."""
+    threads = 128
+    cols = n * hidden
+    nb = T.dynamic("num_parts")
+
+    @T.prim_func
+    def reduce(
+        Partial: T.Tensor((nb, n, hidden), F32),
+        Wh: T.Tensor((n, hidden), BF16),
+        We: T.Tensor((n, hidden), BF16),
+        GWh: T.Tensor((n, hidden), F32),
+        GWe: T.Tensor((n, hidden), F32),
+    ):
+        with T.Kernel(T.ceildiv(cols, 4 * threads), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            sacc = T.alloc_local((4,), F32)
+            buf = T.alloc_local((4, 4), F32)
+            wh = T.alloc_local((4,), BF16)
+            we = T.alloc_local((4,), BF16)
+            gh = T.alloc_local((4,), F32)
+            ge = T.alloc_local((4,), F32)
+            c0 = (bx * threads + tx) * 4
+            if c0 < cols:
+                i = c0 // hidden
+                d = c0 % hidden
+                for j in T.unroll(4):
+                    sacc[j] = T.float32(0)
+                for b4 in T.serial(nb // 4):
+                    for u in T.unroll(4):
+                        for j in T.vectorized(4):
+                            buf[u, j] = Partial[b4 * 4 + u, i, d + j]
+                    for u in T.unroll(4):
+                        for j in T.unroll(4):
+                            sacc[j] = sacc[j] + buf[u, j]
+                for b in T.serial(nb // 4 * 4, nb):
+                    for j in T.vectorized(4):
+                        buf[0, j] = Partial[b, i, d + j]
+                    for j in T.unroll(4):
+                        sacc[j] = sacc[j] + buf[0, j]
+                for j in T.vectorized(4):
+                    wh[j] = Wh[i, d + j]
+                for j in T.vectorized(4):
+                    we[j] = We[i, d + j]
+                for j in T.vectorized(4):
+                    gh[j] = GWh[i, d + j]
+                for j in T.vectorized(4):
+                    ge[j] = GWe[i, d + j]
+                for j in T.unroll(4):
+                    gh[j] = gh[j] + T.call_extern(F32, "__fmul_rn", sacc[j], T.cast(we[j], F32))
+                    ge[j] = ge[j] + T.call_extern(F32, "__fmul_rn", sacc[j], T.cast(wh[j], F32))
+                for j in T.vectorized(4):
+                    GWh[i, d + j] = gh[j]
+                for j in T.vectorized(4):
+                    GWe[i, d + j] = ge[j]
+
+    return reduce
+
+
+@kernel
+def fused_weight_kernel(n: int, hidden: int):
+    """Out = float(Wh) * float(We) (exact in float32), 8 columns per thread."""
+    threads = 128
+    cols = n * hidden
+
+    @T.prim_func
+    def fused(Wh: T.Tensor((n, hidden), BF16), We: T.Tensor((n, hidden), BF16), Out: T.Tensor((n, hidden), F32)):
+        with T.Kernel(T.ceildiv(cols, VEC * threads), threads=threads) as bx:
+            tx = T.get_thread_binding()
+            a = T.alloc_local((VEC,), BF16)
+            b = T.alloc_local((VEC,), BF16)
+            o = T.alloc_local((VEC,), F32)
+            c0 = (bx * threads + tx) * VEC
+            if c0 < cols:
+                i = c0 // hidden
+                d = c0 % hidden
+                for j in T.vectorized(VEC):
+                    a[j] = Wh[i, d + j]
+                for j in T.vectorized(VEC):
+                    b[j] = We[i, d + j]
+                for j in T.unroll(VEC):
+                    o[j] = T.cast(a[j], F32) * T.cast(b[j], F32)
+                for j in T.vectorized(VEC):
+                    Out[i, d + j] = o[j]
+
+    return fused

@@ -1,0 +1,334 @@
+"""Engram gate: RMSNorm-fused gating forward, its backward and the weight-gradient reduction.
+
+Notation: x = ``hidden_states`` (T, n, H), k (T, n, H), v (T, H), w = ``weight_fused`` = w_h * w_e (n, H)
+float32, c = H^(-1/2). Per token t and stream h (float32 arithmetic)::
+
+    rx  = (sum_d x_d^2 / H + eps)^(-1/2)          rk = (sum_d k_d^2 / H + eps)^(-1/2)
+    dot = sum_d x_d w_d k_d                       s  = dot * rx * rk * c
+    g   = sigmoid(sign(s) * sqrt(max(|s|, clamp)))   (sign(0) = 0: s = 0 gives g = 1/2; NaN propagates)
+    out[t, h, :] = bf16(x + g * v[t, :])
+
+``engram_gate_fwd`` returns ``(out, dot, gate, rstd_x, rstd_k)``, the last four float32 (T, n) or None
+with ``save_for_backward=False`` (``out`` is bit-identical either way).
+
+``engram_gate_bwd`` (G = ``grad_out``) uses the saved values, with no recomputation of the forward::
+
+    dg = sum_d G_d v_d
+    ddot = dg g (1-g) / 2 * sqrt(c rx rk / |dot|)   if |s| >= clamp, else 0        (= dL/ds * rx rk c)
+    grad_x = bf16(G + ddot (k w - x dot rx^2 / H))     grad_k = bf16(ddot (x w - k dot rk^2 / H))
+    grad_v[t] = bf16(sum_h g_h G_h)                    (heads in order 0..n-1)
+    grad_w_partial[p] = sum over the tokens of chunk p of ddot x k  (float32, fixed order, no atomics)
+
+Chunk p holds tokens [p*chunk, (p+1)*chunk) with chunk = ceil(T / P); P (the partial rows) follows the SM
+count and the token count, so grad_w is deterministic for a given configuration. ``grad_w_reduce`` sums
+the P rows in order and adds S*w_e to grad_weight_hidden and S*w_h to grad_weight_embed in place.
+
+Inputs and layouts: bf16 x, k, v, grad_out on CUDA (any float dtype on CPU, where the references of
+``reference.py`` run); H a multiple of 64; the last dimension unit-stride, other strides arbitrary (runtime
+arguments; a stride that is not a multiple of 8 elements or a base not 16-byte aligned costs a copy);
+``weight_fused`` float32 (n, H); eps >= 0 and clamp_value > 0 are runtime scalars: no recompile for a new
+token count, stride, eps or clamp. Outputs are contiguous. T = 0 returns empty outputs (zero partials).
+
+Errors: ``TypeError`` for wrong dtypes, ``ValueError`` for shapes, devices, strides and scalars, each as
+``"<op>: <arg> must be <expected>, got <actual>"``.
+
+Kernels (``_gate_kernels.py``): the forward runs one CTA per (token, stream) with x and k held in
+registers between the reduction and the output pass (16-byte accesses throughout); the backward runs
+persistent CTAs over (token chunk, stream) accumulating the weight gradient in registers.
+"""
+
+import math
+
+import torch
+
+from tk_core import checks, config
+from tk_core.library import device_op
+
+from . import reference
+from ._gate_kernels import gate_bwd_kernel, gate_fwd_kernel, grad_w_reduce_kernel, threads_for
+
+HIDDEN_ALIGN = 64
+# CTAs of the backward kernel resident per SM (its register budget is sized for this).
+BWD_BLOCKS_PER_SM = 2
+
+
+def _vec_view(t: torch.Tensor):
+    """A flat view of ``t``'s storage span and its leading strides in units of 8 elements.
+
+    ``t`` has a unit-stride last dimension. If a leading stride is not a multiple of 8 or the base is not
+    16-byte aligned, a contiguous copy is used instead (the kernels load 16-byte vectors).
+    """
+    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+        t = t.contiguous()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.as_strided((span,), (1,)), [s // 8 for s in t.stride()[:-1]]
+
+
+# ------------------------------------------------------------------------------------------ device ops
+
+
+@device_op("tk_engram::engram_gate_fwd", mutates_args=("out", "dot", "gate_score", "rstd_x", "rstd_k"))
+def _gate_fwd_op(
+    hidden_states: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight_fused: torch.Tensor,
+    eps: float,
+    clamp_value: float,
+    out: torch.Tensor,
+    dot: torch.Tensor,
+    gate_score: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+) -> None:
+    n, hidden = weight_fused.shape
+    X, (sx0, sx1) = _vec_view(hidden_states)
+    K, (sk0, sk1) = _vec_view(k)
+    V, (sv0,) = _vec_view(v)
+    kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden))
+    kern(X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k, sx0, sx1, sk0, sk1, sv0, eps, clamp_value)
+
+
+@device_op("tk_engram::engram_gate_fwd_nosave", mutates_args=("out",))
+def _gate_fwd_nosave_op(
+    hidden_states: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight_fused: torch.Tensor,
+    eps: float,
+    clamp_value: float,
+    out: torch.Tensor,
+) -> None:
+    n, hidden = weight_fused.shape
+    X, (sx0, sx1) = _vec_view(hidden_states)
+    K, (sk0, sk1) = _vec_view(k)
+    V, (sv0,) = _vec_view(v)
+    kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden))
+    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value)
+
+
+@device_op(
+    "tk_engram::engram_gate_bwd", mutates_args=("grad_x", "grad_k", "grad_v", "grad_w_partial")
+)
+def _gate_bwd_op(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight_fused: torch.Tensor,
+    dot: torch.Tensor,
+    gate_score: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+    clamp_value: float,
+    grad_x: torch.Tensor,
+    grad_k: torch.Tensor,
+    grad_v: torch.Tensor,
+    grad_w_partial: torch.Tensor,
+) -> None:
+    n, hidden = weight_fused.shape
+    num_tokens = grad_x.shape[0]
+    chunk = -(-num_tokens // grad_w_partial.shape[0])
+    Gf, (sg0, sg1) = _vec_view(grad_out)
+    X, (sx0, sx1) = _vec_view(hidden_states)
+    K, (sk0, sk1) = _vec_view(k)
+    V, (sv0,) = _vec_view(v)
+    kern = gate_bwd_kernel.get(
+        grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden), blocks_per_sm=BWD_BLOCKS_PER_SM
+    )
+    kern(
+        Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial,
+        sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk,
+    )
+
+
+@device_op("tk_engram::grad_w_reduce", mutates_args=("grad_weight_hidden", "grad_weight_embed"))
+def _grad_w_reduce_op(
+    grad_w_partial: torch.Tensor,
+    weight_hidden: torch.Tensor,
+    weight_embed: torch.Tensor,
+    grad_weight_hidden: torch.Tensor,
+    grad_weight_embed: torch.Tensor,
+) -> None:
+    n, hidden = weight_hidden.shape
+    grad_w_reduce_kernel.get(grad_weight_hidden.device, n=n, hidden=hidden)(
+        grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed
+    )
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _check_float(op: str, arg: str, t: torch.Tensor, cuda_dtype: torch.dtype) -> None:
+    if t.device.type == "cuda":
+        checks.check_dtype(op, arg, t, cuda_dtype)
+    else:
+        checks.check_dtype(op, arg, t, (torch.bfloat16, torch.float16, torch.float32, torch.float64))
+
+
+def _check_gate_inputs(op: str, hidden_states, k, v, weight_fused):
+    _check_float(op, "hidden_states", hidden_states, torch.bfloat16)
+    checks.check_ndim(op, "hidden_states", hidden_states, 3)
+    num_tokens, n, hidden = hidden_states.shape
+    if n < 1:
+        checks.fail(op, "hidden_states", "of shape (T, n, H) with n >= 1", f"shape {tuple(hidden_states.shape)}")
+    checks.check_divisible(op, "hidden size H", hidden, HIDDEN_ALIGN)
+    if hidden == 0:
+        checks.fail(op, "hidden size H", "positive", hidden)
+    device = hidden_states.device
+    _check_float(op, "k", k, torch.bfloat16)
+    checks.check_shape(op, "k", k, (num_tokens, n, hidden))
+    _check_float(op, "v", v, torch.bfloat16)
+    checks.check_shape(op, "v", v, (num_tokens, hidden))
+    _check_float(op, "weight_fused", weight_fused, torch.float32)
+    checks.check_shape(op, "weight_fused", weight_fused, (n, hidden))
+    for name, t in (("hidden_states", hidden_states), ("k", k), ("v", v)):
+        checks.check_same_device(op, name, t, device)
+        checks.check_inner_contiguous(op, name, t)
+    checks.check_same_device(op, "weight_fused", weight_fused, device)
+    return num_tokens, n, hidden
+
+
+def _check_scalar(op: str, arg: str, value, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        checks.fail(op, arg, "a float", type(value).__name__, TypeError)
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        checks.fail(op, arg, "a finite float > 0" if positive else "a finite float >= 0", value)
+    return value
+
+
+# ------------------------------------------------------------------------------------------ public ops
+
+
+def engram_gate_fwd(
+    hidden_states: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight_fused: torch.Tensor,
+    eps: float,
+    clamp_value: float,
+    save_for_backward: bool = True,
+):
+    """Engram gate forward (see the module docstring for the math).
+
+    Args: hidden_states and k (T, n, H), v (T, H): bf16 on CUDA, unit-stride last dimension, any other
+    strides; weight_fused (n, H) float32 (``fused_weight(w_h, w_e)``); eps >= 0; clamp_value > 0.
+    Returns ``(out, dot, gate_score, rstd_x, rstd_k)``: out (T, n, H) in x's dtype, contiguous; the other
+    four float32 (T, n), or None when ``save_for_backward`` is False.
+    """
+    op = "engram_gate_fwd"
+    num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
+    eps = _check_scalar(op, "eps", eps, positive=False)
+    clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
+    if hidden_states.device.type != "cuda":
+        return reference.engram_gate_fwd_ref(hidden_states, k, v, weight_fused, eps, clamp_value, save_for_backward)
+    weight_fused = weight_fused.contiguous()
+    out = torch.empty((num_tokens, n, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
+    if not save_for_backward:
+        if num_tokens:
+            _gate_fwd_nosave_op(hidden_states, k, v, weight_fused, eps, clamp_value, out)
+        return out, None, None, None, None
+    dot, gate_score, rstd_x, rstd_k = (
+        torch.empty((num_tokens, n), dtype=torch.float32, device=hidden_states.device) for _ in range(4)
+    )
+    if num_tokens:
+        _gate_fwd_op(hidden_states, k, v, weight_fused, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k)
+    return out, dot, gate_score, rstd_x, rstd_k
+
+
+def num_grad_w_parts(num_tokens: int, n: int, device: torch.device) -> int:
+    """Rows of ``grad_w_partial`` the backward writes on ``device`` for ``num_tokens`` tokens."""
+    if device.type != "cuda":
+        return 1
+    sms = config.get_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(num_tokens, (sms * BWD_BLOCKS_PER_SM) // n))
+
+
+def engram_gate_bwd(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weight_fused: torch.Tensor,
+    dot: torch.Tensor,
+    gate_score: torch.Tensor,
+    rstd_x: torch.Tensor,
+    rstd_k: torch.Tensor,
+    clamp_value: float,
+):
+    """Engram gate backward from the forward's saved (T, n) float32 ``dot, gate_score, rstd_x, rstd_k``.
+
+    grad_out has x's shape (bf16 on CUDA, unit-stride last dimension). Returns
+    ``(grad_x, grad_k, grad_v, grad_w_partial)``: grad_x and grad_k (T, n, H), grad_v (T, H), contiguous, in
+    the inputs' dtypes; grad_w_partial float32 (P, n, H) whose row sum is dL/d weight_fused (feed it to
+    ``grad_w_reduce``). Deterministic: no atomics.
+    """
+    op = "engram_gate_bwd"
+    num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
+    _check_float(op, "grad_out", grad_out, torch.bfloat16)
+    checks.check_shape(op, "grad_out", grad_out, (num_tokens, n, hidden))
+    checks.check_same_device(op, "grad_out", grad_out, hidden_states.device)
+    checks.check_inner_contiguous(op, "grad_out", grad_out)
+    for name, t in (("dot", dot), ("gate_score", gate_score), ("rstd_x", rstd_x), ("rstd_k", rstd_k)):
+        _check_float(op, name, t, torch.float32)
+        checks.check_shape(op, name, t, (num_tokens, n))
+        checks.check_same_device(op, name, t, hidden_states.device)
+    clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
+    device = hidden_states.device
+    if device.type != "cuda":
+        return reference.engram_gate_bwd_ref(
+            grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value
+        )
+    parts = num_grad_w_parts(num_tokens, n, device)
+    grad_x = torch.empty((num_tokens, n, hidden), dtype=hidden_states.dtype, device=device)
+    grad_k = torch.empty((num_tokens, n, hidden), dtype=k.dtype, device=device)
+    grad_v = torch.empty((num_tokens, hidden), dtype=v.dtype, device=device)
+    if num_tokens == 0:
+        return grad_x, grad_k, grad_v, torch.zeros((parts, n, hidden), dtype=torch.float32, device=device)
+    grad_w_partial = torch.empty((parts, n, hidden), dtype=torch.float32, device=device)
+    _gate_bwd_op(
+        grad_out, hidden_states, k, v, weight_fused.contiguous(),
+        dot.contiguous(), gate_score.contiguous(), rstd_x.contiguous(), rstd_k.contiguous(),
+        clamp_value, grad_x, grad_k, grad_v, grad_w_partial,
+    )
+    return grad_x, grad_k, grad_v, grad_w_partial
+
+
+def grad_w_reduce(
+    grad_w_partial: torch.Tensor,
+    weight_hidden: torch.Tensor,
+    weight_embed: torch.Tensor,
+    grad_weight_hidden: torch.Tensor,
+    grad_weight_embed: torch.Tensor,
+) -> None:
+    """In place: S = sum_p grad_w_partial[p] (fixed order p = 0..B-1, any B >= 0);
+    grad_weight_hidden += S * float(weight_embed); grad_weight_embed += S * float(weight_hidden).
+
+    grad_w_partial float32 (B, n, H); weights bf16 (n, H); accumulators float32 (n, H), contiguous (on CPU
+    any float dtypes). H a multiple of 64. Deterministic and bit-exact against ``reference.grad_w_reduce_ref``.
+    """
+    op = "grad_w_reduce"
+    _check_float(op, "grad_w_partial", grad_w_partial, torch.float32)
+    checks.check_ndim(op, "grad_w_partial", grad_w_partial, 3)
+    _, n, hidden = grad_w_partial.shape
+    checks.check_divisible(op, "hidden size H", hidden, HIDDEN_ALIGN)
+    device = grad_w_partial.device
+    for name, t in (("weight_hidden", weight_hidden), ("weight_embed", weight_embed)):
+        _check_float(op, name, t, torch.bfloat16)
+        checks.check_shape(op, name, t, (n, hidden))
+        checks.check_same_device(op, name, t, device)
+    for name, t in (("grad_weight_hidden", grad_weight_hidden), ("grad_weight_embed", grad_weight_embed)):
+        _check_float(op, name, t, torch.float32)
+        checks.check_shape(op, name, t, (n, hidden))
+        checks.check_same_device(op, name, t, device)
+        checks.check_contiguous(op, name, t)
+    if device.type != "cuda":
+        reference.grad_w_reduce_ref(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
+        return
+    if n * hidden == 0:
+        return
+    _grad_w_reduce_op(
+        grad_w_partial.contiguous(), weight_hidden.contiguous(), weight_embed.contiguous(),
+        grad_weight_hidden, grad_weight_embed,
+    )
