@@ -1,0 +1,840 @@
+"""Fused SwiGLU + FP8 (e4m3) quantization: forward with per-token cast, forward with per-channel cast
+(optionally transposed), and backward with per-token cast of the input gradient.
+
+SwiGLU convention: a row of ``x`` is ``[g | u]`` (gate in the first ``H`` columns, value in the last ``H``).
+All math is float32, evaluated in this order (IEEE division, precise ``expf``, no fast math)::
+
+    clamp (optional, value c > 0):  g <- (g > c ? c : g),   u <- (u > c ? c : (u < -c ? -c : u))
+    act = g / (1 + exp(-g)) * u                      # ((g / t) * u) with t = 1 + exp(-g)
+
+Scales follow the sf rule of ``tk_core.formats.compute_scales`` (``A' = max(amax, c_min)``; ``sf = A'/448``,
+``sf_inv = 448/A'``, or powers of two with ``round_sf``); ``q = e4m3(v * sf_inv)`` (RNE, saturating).
+
+``swiglu_forward_and_per_token_cast(x (E, 2H), ...) -> (out e4m3 (E, H), sf)``
+    Per expanded (MoE fused-layout) row ``p``: ``v = act * w_p`` with ``w_p = topk_weights.flat[
+    pos_to_token_topk[p]]`` (0 for padding rows, ``pos_to_token_topk < 0``), or ``topk_weights[p]`` for 1-D
+    per-row weights, or no weight. ``v`` is cast per token with ``num_per_channels`` columns per scale
+    (32, 64, 128, or ``H`` = one scale per row, row-major SF only); ``sf`` in any layout of
+    ``tk_core.layout`` (row-major fp32, TMA-aligned col-major fp32, packed UE8M0). Rows with
+    ``pos_to_expert < 0`` are not computed: their data and scales are written as zeros (UE8M0 byte 0).
+    ``clamped_count`` (int64, length 3 or 4) is *added to*: ``[0] += #{g > c}``, ``[1] += #{u > c}``,
+    ``[2] += #{u < -c}`` (before clamping) and ``[3] += H * #rows`` over the computed rows only; integer
+    atomics, so the counts are exact and deterministic. ``sf_clamp_min`` overrides ``c_min``
+    (``tk_core.config.get_amax_clamp('e4m3')``). The clamp value and ``c_min`` are runtime arguments.
+
+``swiglu_forward_and_per_channel_cast_and_transpose(x (T, 2H) bf16, ...) -> (out, sf fp32 (T/bm, H))``
+    ``a = bf16(act)`` (RNE), then one scale per ``bm = num_per_tokens`` consecutive tokens of a column:
+    ``q[t, j] = e4m3(a[t, j] * sf_inv[t // bm, j])``; ``out`` is ``(H, T)`` (transposed) or ``(T, H)``
+    with ``without_transpose``. The clamp is applied in float32 to the widened bf16 inputs.
+
+``swiglu_backward_and_per_token_cast((x_fp8 (E, 2H), x_sf (E, 2H/bk)), grad_out (E, H) bf16, weight
+(N, K) fp32, pos_to_token_topk (E,), token_topk_to_pos (N, K), num_per_channels, ...)``
+    ``-> (out bf16 (E, H), (x_grad_fp8 (E, 2H), sf), x_grad bf16 (E, 2H), weight_grad fp32 (N, K))``.
+    With ``w = weight.flat[idx]`` (0 for ``idx = pos_to_token_topk[p] < 0``), ``g, u = x_fp8 * x_sf``:
+    ``s = 1 / t``, ``out = bf16(act * w)``, ``gws = (grad * w) * s``,
+    ``dg = (gws * u) * fma(g, 1 - s, 1)`` (one rounding, ``__fmaf_rn``), ``du = gws * g``, both 0 where the
+    clamp was active, ``x_grad = bf16([dg | du])`` and the per-token cast of the float32 ``[dg | du]``.
+    ``weight_grad.flat[idx] = sum_j fl(grad[p, j] * act[p, j])`` in a fixed order (each lane of a warp sums
+    its columns sequentially, then a xor butterfly over the 32 lanes; see ``reference.wgrad_dot``), so it
+    is deterministic and bit-exact; every other entry of ``weight_grad`` is 0 (also when ``E == 0``).
+
+Errors: ``TypeError`` for wrong types/dtypes, ``ValueError`` for shapes, sizes, flags and values, naming
+the op and argument. ``E == 0`` / ``T == 0`` allocate the outputs and launch nothing (``weight_grad`` is
+zeros). CPU tensors run ``tk_quant.reference``.
+
+Kernels: one warp per row (per-token kernels); each lane owns 8 consecutive columns of two 256-column
+spans per iteration (16-byte bf16 loads, 8-byte e4m3 stores); the group amax is a xor-shuffle reduction
+over the ``bk/8`` lanes of a group; no shared memory except the per-CTA clamp-count reduction. The
+per-channel kernel tiles ``bm`` tokens x 64 or 128 columns over 256 threads and reduces the column amax
+with shuffles and one shared-memory exchange; the transposed store goes through a shared-memory tile.
+The token count is dynamic (no recompile per batch); ``H``, ``bk``/``bm``, the SF layout, ``round_sf`` and
+whether a clamp (and counting) is on are compile-time.
+"""
+
+import math
+
+import torch
+import tilelang.language as T
+
+from tk_core import checks
+from tk_core.config import get_amax_clamp
+from tk_core.jit import kernel
+from tk_core.layout import align, ceil_div, sf_layout
+from tk_core.library import device_op
+
+from . import _tl
+from .per_block_cast import alloc_sf_storage
+
+E4M3_MAX = 448.0
+VEC = 8  # columns per lane and chunk
+U = 2  # chunks per lane and iteration
+SPAN = 32 * VEC * U  # columns per warp iteration
+_IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+GROUPS = (32, 64, 128)
+CLAMP_MODES = ("none", "clamp", "count")  # count = clamp + clamp counting
+# Every global access below is guarded explicitly (rows < E, tails, index ranges), so TileLang's automatic
+# per-element bounds checks, which would also block 16-byte vectorization, are switched off.
+_PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
+
+
+def _group_offsets(lanes: int) -> list[int]:
+    return [o for o in (1, 2, 4, 8, 16) if o < lanes]
+
+
+def _swiglu(g, u, clamp_on: bool, c):
+    """``(act, g', u', cg, cu_hi, cu_lo)`` as TIR expressions (clamp flags are None without a clamp)."""
+    if clamp_on:
+        cg, chi, clo = g > c, u > c, u < -c
+        g = T.if_then_else(cg, c, g)
+        u = T.if_then_else(chi, c, T.if_then_else(clo, -c, u))
+    else:
+        cg = chi = clo = None
+    return g, u, cg, chi, clo
+
+
+def _sf_value(layout: str, s):
+    """The stored form of scale ``s``: the UE8M0 byte for packed, else the float."""
+    return _tl.ue8m0_byte(s) if layout == "packed" else s
+
+
+# --- forward + per-token cast ---------------------------------------------------------------------
+
+
+@kernel(pass_configs=_PASS_CONFIGS)
+def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str, round_sf: bool, clamp_mode: str, warps: int = 8):
+    H = hidden
+    E = T.dynamic("num_rows")
+    n_pe = T.dynamic("n_pe")
+    n_idx = T.dynamic("n_idx")
+    n_w = T.dynamic("n_w")
+    n_cnt = T.dynamic("n_cnt")
+    sf_len = T.dynamic("sf_len")
+    row_mode = group > 128
+    nk = H // group
+    iters = ceil_div(H, SPAN)
+    tail = H % SPAN != 0
+    offsets = _group_offsets(32 if row_mode else group // VEC)
+    sf_dtype = "uint8" if layout == "packed" else "float32"
+    nk_pad = align(nk, 4) - nk if layout == "packed" else 0
+    clamp_on = clamp_mode != "none"
+    count = clamp_mode == "count"
+
+    def in_range(col):
+        return col < H if tail else True
+
+    @T.prim_func
+    def main(
+        x: T.Tensor((E, 2 * H), in_dtype),
+        pos_to_expert: T.Tensor((n_pe,), "int32"),
+        pos_to_token_topk: T.Tensor((n_idx,), "int32"),
+        weights: T.Tensor((n_w,), "float32"),
+        out: T.Tensor((E, H), "float8_e4m3fn"),
+        sf: T.Tensor((sf_len,), sf_dtype),
+        counts: T.Tensor((n_cnt,), "int64"),
+        clamp: T.float32,
+        clamp_min: T.float32,
+        has_pe: T.int32,
+        wmode: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(E, warps), threads=warps * 32) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            row = bx * warps + tx // 32
+            xg = T.alloc_local((U, VEC), in_dtype)
+            xu = T.alloc_local((U, VEC), in_dtype)
+            v = T.alloc_local((U, VEC), "float32")
+            am = T.alloc_local((U,), "float32")
+            rm = T.alloc_local((1,), "float32")
+            wv = T.alloc_local((1,), "float32")
+            st = T.alloc_local((1,), "int32")
+            cnt = T.alloc_local((4,), "int32")
+            red = T.alloc_shared((warps, 4), "int32")
+            for i in T.unroll(4):
+                cnt[i] = 0
+            st[0] = 0
+            if row < E:
+                st[0] = 1
+                if has_pe != 0:
+                    if pos_to_expert[row] < 0:
+                        st[0] = 2
+            if st[0] == 1:
+                wv[0] = T.float32(1)
+                if wmode == 1:
+                    idx = pos_to_token_topk[row]
+                    if idx >= 0 and idx < n_w:
+                        wv[0] = weights[idx]
+                    else:
+                        wv[0] = T.float32(0)
+                elif wmode == 2:
+                    wv[0] = weights[row]
+                cnt[3] = T.if_then_else(lane == 0, 1, 0)
+                rm[0] = T.float32(0)
+                for ph in T.serial(2 if row_mode else 1):
+                    for it in T.serial(iters):
+                        for c in T.unroll(U):
+                            col = it * SPAN + c * (32 * VEC) + lane * VEC
+                            if in_range(col):
+                                for i in T.vectorized(VEC):
+                                    xg[c, i] = x[row, col + i]
+                                for i in T.vectorized(VEC):
+                                    xu[c, i] = x[row, H + col + i]
+                            else:
+                                for i in T.vectorized(VEC):
+                                    xg[c, i] = T.cast(0, in_dtype)
+                                for i in T.vectorized(VEC):
+                                    xu[c, i] = T.cast(0, in_dtype)
+                            am[c] = T.float32(0)
+                            for i in T.unroll(VEC):
+                                g0 = T.cast(xg[c, i], "float32")
+                                u0 = T.cast(xu[c, i], "float32")
+                                if count:
+                                    if ph == 0:
+                                        cnt[0] += T.if_then_else(g0 > clamp, 1, 0)
+                                        cnt[1] += T.if_then_else(u0 > clamp, 1, 0)
+                                        cnt[2] += T.if_then_else(u0 < -clamp, 1, 0)
+                                g1, u1, _, _, _ = _swiglu(g0, u0, clamp_on, clamp)
+                                v[c, i] = g1 / (T.float32(1) + T.exp(-g1)) * u1 * wv[0]
+                                am[c] = T.max(am[c], T.abs(v[c, i]))
+                            if row_mode:
+                                rm[0] = T.max(rm[0], am[c])
+                        if not row_mode:
+                            for c in T.unroll(U):
+                                for off in offsets:
+                                    am[c] = T.max(am[c], T.shfl_xor(am[c], off))
+                                col = it * SPAN + c * (32 * VEC) + lane * VEC
+                                s, si = _tl.scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                if in_range(col):
+                                    for i in T.vectorized(VEC):
+                                        out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
+                                    if col % group == 0:
+                                        sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
+                        else:
+                            if ph == 1:
+                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                for c in T.unroll(U):
+                                    col = it * SPAN + c * (32 * VEC) + lane * VEC
+                                    if in_range(col):
+                                        for i in T.vectorized(VEC):
+                                            out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
+                    if row_mode:
+                        if ph == 0:
+                            for off in offsets:
+                                rm[0] = T.max(rm[0], T.shfl_xor(rm[0], off))
+                            if lane == 0:
+                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
+            if st[0] == 2:
+                for it in T.serial(iters):
+                    for c in T.unroll(U):
+                        col = it * SPAN + c * (32 * VEC) + lane * VEC
+                        if in_range(col):
+                            for i in T.vectorized(VEC):
+                                out[row, col + i] = T.cast(T.float32(0), "float8_e4m3fn")
+                            if col % group == 0:
+                                sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, T.float32(0))
+            if nk_pad > 0:
+                if st[0] != 0:
+                    if lane == 0:
+                        for z in T.unroll(nk_pad):
+                            sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
+            if count:
+                for k in T.unroll(4):
+                    for off in (16, 8, 4, 2, 1):
+                        cnt[k] += T.shfl_xor(cnt[k], off)
+                if lane == 0:
+                    for k in T.unroll(4):
+                        red[tx // 32, k] = cnt[k]
+                T.sync_threads()
+                if tx < 4:
+                    tot = T.alloc_local((1,), "int64")
+                    tot[0] = T.int64(0)
+                    for w in T.unroll(warps):
+                        tot[0] += T.cast(red[w, tx], "int64")
+                    if tx == 3:
+                        tot[0] = tot[0] * T.int64(H)
+                    if tx < n_cnt:
+                        T.atomic_add(counts[tx], tot[0])
+
+    return main
+
+
+# --- backward + per-token cast --------------------------------------------------------------------
+
+
+@kernel(pass_configs=_PASS_CONFIGS)
+def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool, clamp_on: bool, warps: int = 8):
+    H = hidden
+    E = T.dynamic("num_rows")
+    n_w = T.dynamic("n_w")
+    sf_len = T.dynamic("sf_len")
+    nk = 2 * H // group
+    iters = ceil_div(H, SPAN)
+    tail = H % SPAN != 0
+    offsets = _group_offsets(group // VEC)
+    sf_dtype = "uint8" if layout == "packed" else "float32"
+    nk_pad = align(nk, 4) - nk if layout == "packed" else 0
+
+    def in_range(col):
+        return col < H if tail else True
+
+    @T.prim_func
+    def main(
+        x: T.Tensor((E, 2 * H), "float8_e4m3fn"),
+        x_sf: T.Tensor((E, nk), "float32"),
+        grad: T.Tensor((E, H), "bfloat16"),
+        weights: T.Tensor((n_w,), "float32"),
+        pos_to_token_topk: T.Tensor((E,), "int32"),
+        out: T.Tensor((E, H), "bfloat16"),
+        xq: T.Tensor((E, 2 * H), "float8_e4m3fn"),
+        sf: T.Tensor((sf_len,), sf_dtype),
+        x_grad: T.Tensor((E, 2 * H), "bfloat16"),
+        weight_grad: T.Tensor((n_w,), "float32"),
+        clamp: T.float32,
+        clamp_min: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(E, warps), threads=warps * 32) as bx:
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            row = bx * warps + tx // 32
+            qg = T.alloc_local((U, VEC), "float8_e4m3fn")
+            qu = T.alloc_local((U, VEC), "float8_e4m3fn")
+            gr = T.alloc_local((U, VEC), "bfloat16")
+            ov = T.alloc_local((U, VEC), "float32")
+            dg = T.alloc_local((U, VEC), "float32")
+            du = T.alloc_local((U, VEC), "float32")
+            sfg = T.alloc_local((U,), "float32")
+            sfu = T.alloc_local((U,), "float32")
+            amg = T.alloc_local((U,), "float32")
+            amu = T.alloc_local((U,), "float32")
+            acc = T.alloc_local((1,), "float32")
+            wv = T.alloc_local((1,), "float32")
+            tv = T.alloc_local((6,), "float32")
+            if row < E:
+                idx = pos_to_token_topk[row]
+                if idx >= 0 and idx < n_w:
+                    wv[0] = weights[idx]
+                else:
+                    wv[0] = T.float32(0)
+                acc[0] = T.float32(0)
+                for it in T.serial(iters):
+                    for c in T.unroll(U):
+                        col = it * SPAN + c * (32 * VEC) + lane * VEC
+                        if in_range(col):
+                            for i in T.vectorized(VEC):
+                                qg[c, i] = x[row, col + i]
+                            for i in T.vectorized(VEC):
+                                qu[c, i] = x[row, H + col + i]
+                            for i in T.vectorized(VEC):
+                                gr[c, i] = grad[row, col + i]
+                            sfg[c] = x_sf[row, col // group]
+                            sfu[c] = x_sf[row, (H + col) // group]
+                        else:
+                            for i in T.vectorized(VEC):
+                                qg[c, i] = T.cast(T.float32(0), "float8_e4m3fn")
+                            for i in T.vectorized(VEC):
+                                qu[c, i] = T.cast(T.float32(0), "float8_e4m3fn")
+                            for i in T.vectorized(VEC):
+                                gr[c, i] = T.cast(T.float32(0), "bfloat16")
+                            sfg[c] = T.float32(0)
+                            sfu[c] = T.float32(0)
+                    for c in T.unroll(U):
+                        amg[c] = T.float32(0)
+                        amu[c] = T.float32(0)
+                        for i in T.unroll(VEC):
+                            g0 = T.cast(qg[c, i], "float32") * sfg[c]
+                            u0 = T.cast(qu[c, i], "float32") * sfu[c]
+                            g1, u1, cg, chi, clo = _swiglu(g0, u0, clamp_on, clamp)
+                            tv[0] = g1
+                            tv[1] = u1
+                            tv[2] = T.float32(1) + T.exp(-tv[0])
+                            tv[3] = T.float32(1) / tv[2]
+                            tv[4] = tv[0] / tv[2] * tv[1]
+                            gf = T.cast(gr[c, i], "float32")
+                            ov[c, i] = tv[4] * wv[0]
+                            acc[0] = acc[0] + T.fmul(gf, tv[4])
+                            tv[5] = gf * wv[0] * tv[3]
+                            dgv = tv[5] * tv[1] * T.fma(tv[0], T.float32(1) - tv[3], T.float32(1))
+                            duv = tv[5] * tv[0]
+                            if clamp_on:
+                                dg[c, i] = T.if_then_else(cg, T.float32(0), dgv)
+                                du[c, i] = T.if_then_else(chi or clo, T.float32(0), duv)
+                            else:
+                                dg[c, i] = dgv
+                                du[c, i] = duv
+                            amg[c] = T.max(amg[c], T.abs(dg[c, i]))
+                            amu[c] = T.max(amu[c], T.abs(du[c, i]))
+                        for off in offsets:
+                            amg[c] = T.max(amg[c], T.shfl_xor(amg[c], off))
+                            amu[c] = T.max(amu[c], T.shfl_xor(amu[c], off))
+                        col = it * SPAN + c * (32 * VEC) + lane * VEC
+                        sg, sig = _tl.scale_rule(amg[c], clamp_min, E4M3_MAX, round_sf)
+                        su, siu = _tl.scale_rule(amu[c], clamp_min, E4M3_MAX, round_sf)
+                        if in_range(col):
+                            for i in T.vectorized(VEC):
+                                out[row, col + i] = T.cast(ov[c, i], "bfloat16")
+                            for i in T.vectorized(VEC):
+                                x_grad[row, col + i] = T.cast(dg[c, i], "bfloat16")
+                            for i in T.vectorized(VEC):
+                                x_grad[row, H + col + i] = T.cast(du[c, i], "bfloat16")
+                            for i in T.vectorized(VEC):
+                                xq[row, col + i] = T.cast(dg[c, i] * sig, "float8_e4m3fn")
+                            for i in T.vectorized(VEC):
+                                xq[row, H + col + i] = T.cast(du[c, i] * siu, "float8_e4m3fn")
+                            if col % group == 0:
+                                sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, sg)
+                                sf[_tl.sf_offset(layout, row, (H + col) // group, E, nk)] = _sf_value(layout, su)
+                for off in (16, 8, 4, 2, 1):
+                    acc[0] = acc[0] + T.shfl_xor(acc[0], off)
+                if lane == 0:
+                    if idx >= 0 and idx < n_w:
+                        weight_grad[idx] = acc[0]
+                    if nk_pad > 0:
+                        for z in T.unroll(nk_pad):
+                            sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
+
+    return main
+
+
+# --- forward + per-channel cast (+ transpose) -----------------------------------------------------
+
+THREADS = 256
+
+
+def channel_tile(hidden: int, bm: int) -> tuple[int, int, int]:
+    """``(COLS, CL, RPT)``: columns per CTA, column lanes (8 columns each) and rows per thread."""
+    cols = 128 if hidden % 128 == 0 else 64
+    cl = cols // VEC
+    return cols, cl, bm * cl // THREADS
+
+
+@kernel(pass_configs=_PASS_CONFIGS)
+def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: bool, clamp_on: bool):
+    H = hidden
+    NT = T.dynamic("num_tokens")
+    nm = T.dynamic("nm")
+    COLS, CL, RPT = channel_tile(H, bm)
+    WARPS = THREADS // 32
+    offsets = [o for o in (1, 2, 4, 8, 16) if CL <= o < 32]
+    PADB = bm + 16  # transposed tile row (bytes), 16-byte aligned
+    NCHUNK = COLS * bm // 16  # 16-byte chunks of the transposed tile
+    NCH = ceil_div(NCHUNK, THREADS)  # per thread
+    SEGS = bm // 16
+    n_out = T.dynamic("n_out")
+    out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
+
+    @T.prim_func
+    def main(
+        x: T.Tensor((NT, 2 * H), "bfloat16"),
+        out: T.Tensor(out_shape, "float8_e4m3fn"),
+        sf: T.Tensor((nm, H), "float32"),
+        clamp: T.float32,
+        clamp_min: T.float32,
+        nt16: T.int32,
+    ):
+        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=THREADS) as (bx, by):
+            tx = T.get_thread_binding()
+            cl = tx % CL
+            rl = tx // CL
+            col = bx * COLS + cl * VEC
+            xg = T.alloc_local((RPT, VEC), "bfloat16")
+            xu = T.alloc_local((RPT, VEC), "bfloat16")
+            a = T.alloc_local((RPT, VEC), "bfloat16")
+            q = T.alloc_local((RPT, VEC), "float8_e4m3fn")
+            am = T.alloc_local((VEC,), "float32")
+            sfv = T.alloc_local((VEC,), "float32")
+            siv = T.alloc_local((VEC,), "float32")
+            red = T.alloc_shared((WARPS, COLS), "float32")
+            if transpose:
+                tile = T.alloc_shared((COLS, PADB), "float8_e4m3fn")
+            for r in T.unroll(RPT):
+                for i in T.vectorized(VEC):
+                    xg[r, i] = x[by * bm + rl * RPT + r, col + i]
+                for i in T.vectorized(VEC):
+                    xu[r, i] = x[by * bm + rl * RPT + r, H + col + i]
+            for i in T.unroll(VEC):
+                am[i] = T.float32(0)
+            for r in T.unroll(RPT):
+                for i in T.unroll(VEC):
+                    g1, u1, _, _, _ = _swiglu(T.cast(xg[r, i], "float32"), T.cast(xu[r, i], "float32"), clamp_on, clamp)
+                    a[r, i] = T.cast(g1 / (T.float32(1) + T.exp(-g1)) * u1, "bfloat16")
+                    am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
+            for i in T.unroll(VEC):
+                for off in offsets:
+                    am[i] = T.max(am[i], T.shfl_xor(am[i], off))
+            if tx % 32 < CL:
+                for i in T.unroll(VEC):
+                    red[tx // 32, cl * VEC + i] = am[i]
+            T.sync_threads()
+            for i in T.unroll(VEC):
+                for w in T.unroll(WARPS):
+                    am[i] = T.max(am[i], red[w, cl * VEC + i])
+                s, si = _tl.scale_rule(am[i], clamp_min, E4M3_MAX, round_sf)
+                sfv[i] = s
+                siv[i] = si
+            if rl == 0:
+                for i in T.vectorized(VEC):
+                    sf[by, col + i] = sfv[i]
+            for r in T.unroll(RPT):
+                for i in T.vectorized(VEC):
+                    q[r, i] = T.cast(T.cast(a[r, i], "float32") * siv[i], "float8_e4m3fn")
+            if not transpose:
+                for r in T.unroll(RPT):
+                    for i in T.vectorized(VEC):
+                        out[by * bm + rl * RPT + r, col + i] = q[r, i]
+            else:
+                for r in T.unroll(RPT):
+                    for i in T.unroll(VEC):
+                        tile[cl * VEC + i, rl * RPT + r] = q[r, i]
+                T.sync_threads()
+                for k in T.unroll(NCH):
+                    j = (tx + k * THREADS) // SEGS
+                    seg = (tx + k * THREADS) % SEGS
+                    if NCHUNK % THREADS == 0 or tx + k * THREADS < NCHUNK:
+                        for i in T.vectorized(16):
+                            out[(bx * COLS + j) * (nt16 * 16) + by * bm + seg * 16 + i] = tile[j, seg * 16 + i]
+
+    return main
+
+
+# --- device ops -----------------------------------------------------------------------------------
+
+
+def _flat_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D ``dtype`` view of ``x``'s (contiguous) storage; stands in for an absent optional tensor."""
+    return x.view(-1).view(dtype)
+
+
+@device_op("tk_quant::swiglu_forward_and_per_token_cast_", mutates_args=("out", "sf_flat", "clamped_count"))
+def swiglu_forward_and_per_token_cast_(
+    x: torch.Tensor,
+    pos_to_expert: torch.Tensor | None,
+    pos_to_token_topk: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    out: torch.Tensor,
+    sf_flat: torch.Tensor,
+    clamped_count: torch.Tensor | None,
+    group: int,
+    layout: str,
+    round_sf: bool,
+    clamp_value: float | None,
+    clamp_min: float,
+) -> None:
+    mode = "none" if clamp_value is None else ("clamp" if clamped_count is None else "count")
+    k = swiglu_fwd_token_kernel.get(
+        x.device, in_dtype=_IN_DTYPES[x.dtype], hidden=x.shape[1] // 2, group=group, layout=layout, round_sf=round_sf,
+        clamp_mode=mode,
+    )
+    i32 = _flat_view(x, torch.int32)
+    wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
+    k(
+        x,
+        i32 if pos_to_expert is None else pos_to_expert,
+        i32 if pos_to_token_topk is None else pos_to_token_topk,
+        _flat_view(x, torch.float32) if topk_weights is None else topk_weights.view(-1),
+        out,
+        sf_flat,
+        _flat_view(x, torch.int64) if clamped_count is None else clamped_count,
+        math.inf if clamp_value is None else clamp_value,
+        clamp_min,
+        int(pos_to_expert is not None),
+        wmode,
+    )
+
+
+@device_op(
+    "tk_quant::swiglu_backward_and_per_token_cast_", mutates_args=("out", "x_grad_fp8", "sf_flat", "x_grad", "weight_grad")
+)
+def swiglu_backward_and_per_token_cast_(
+    x: torch.Tensor,
+    x_sf: torch.Tensor,
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    pos_to_token_topk: torch.Tensor,
+    out: torch.Tensor,
+    x_grad_fp8: torch.Tensor,
+    sf_flat: torch.Tensor,
+    x_grad: torch.Tensor,
+    weight_grad: torch.Tensor,
+    group: int,
+    layout: str,
+    round_sf: bool,
+    clamp_value: float | None,
+    clamp_min: float,
+) -> None:
+    weight_grad.zero_()
+    if x.shape[0] == 0:
+        return
+    k = swiglu_bwd_token_kernel.get(
+        x.device, hidden=x.shape[1] // 2, group=group, layout=layout, round_sf=round_sf, clamp_on=clamp_value is not None
+    )
+    k(
+        x, x_sf, grad_out, weight.view(-1), pos_to_token_topk, out, x_grad_fp8, sf_flat, x_grad, weight_grad.view(-1),
+        math.inf if clamp_value is None else clamp_value, clamp_min,
+    )
+
+
+@device_op("tk_quant::swiglu_forward_and_per_channel_cast_and_transpose_", mutates_args=("out", "sf"))
+def swiglu_forward_and_per_channel_cast_and_transpose_(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    sf: torch.Tensor,
+    bm: int,
+    round_sf: bool,
+    transpose: bool,
+    clamp_value: float | None,
+    clamp_min: float,
+) -> None:
+    k = swiglu_fwd_channel_kernel.get(
+        x.device, hidden=x.shape[1] // 2, bm=bm, round_sf=round_sf, transpose=transpose, clamp_on=clamp_value is not None
+    )
+    k(
+        x, out.view(-1) if transpose else out, sf, math.inf if clamp_value is None else clamp_value, clamp_min,
+        x.shape[0] // 16,
+    )
+
+
+# --- public functions -----------------------------------------------------------------------------
+
+
+def _check_clamp(op: str, value) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        checks.fail(op, "swiglu_clamp_value", "a float or None", type(value).__name__, TypeError)
+    v = float(value)
+    if not (math.isfinite(v) and v > 0.0):
+        checks.fail(op, "swiglu_clamp_value", "a finite float > 0", repr(value))
+    return v
+
+
+def _check_index(op: str, arg: str, t, n: int, device) -> None:
+    checks.check_dtype(op, arg, t, torch.int32)
+    checks.check_shape(op, arg, t, (n,))
+    checks.check_contiguous(op, arg, t)
+    checks.check_same_device(op, arg, t, device)
+
+
+def _check_x(op: str, x, dtypes) -> int:
+    checks.check_dtype(op, "x", x, dtypes)
+    checks.check_ndim(op, "x", x, 2)
+    checks.check_contiguous(op, "x", x)
+    if x.shape[1] % 2:
+        checks.fail(op, "x.shape[1]", "even ([gate | up] halves)", x.shape[1])
+    return x.shape[1] // 2
+
+
+def swiglu_forward_and_per_token_cast(
+    x: torch.Tensor,
+    fmt: str,
+    num_per_channels: int,
+    pos_to_token_topk: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    pos_to_expert: torch.Tensor | None = None,
+    use_tma_aligned_col_major_sf: bool = False,
+    round_sf: bool = False,
+    use_packed_ue8m0: bool = False,
+    swiglu_clamp_value: float | None = None,
+    clamped_count: torch.Tensor | None = None,
+    sf_clamp_min: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SwiGLU of ``x = [g | u]`` (bf16/fp32 ``(E, 2H)``, contiguous, ``H % 128 == 0``), optionally weighted,
+    then a per-token e4m3 cast with ``num_per_channels`` columns per scale.
+
+    - ``fmt``: ``'e4m3'``. ``num_per_channels``: 32, 64, 128, or ``H`` (one scale per row; row-major SF only).
+    - ``pos_to_token_topk`` (int32 ``(E,)``) with ``topk_weights`` float32 ``(N, K)``: row ``p`` is multiplied
+      by ``topk_weights.flat[pos_to_token_topk[p]]``, by 0 when the index is negative. ``topk_weights`` float32
+      ``(E,)`` without ``pos_to_token_topk``: per-row weights.
+    - ``pos_to_expert`` (int32 ``(E,)``): rows with a negative expert are skipped and written as zeros (data
+      and scales).
+    - ``swiglu_clamp_value`` (float > 0): clamp before the activation; ``clamped_count`` (int64 ``(3,)`` or
+      ``(4,)``, same device) is incremented by the exact counts of ``g > c``, ``u > c``, ``u < -c`` (and
+      ``H`` per computed row).
+    - ``sf_clamp_min``: amax floor (default ``tk_core.config.get_amax_clamp('e4m3')``), at least ``448 * 2**-126``.
+
+    Returns ``(out, sf)``: float8_e4m3fn ``(E, H)`` and the scales ``(E, ceil(H / bk))`` (packed: int32
+    ``(E, ceil(nk / 4))``) in the layout of the flags. Bit-exact with
+    ``tk_quant.reference.swiglu_forward_and_per_token_cast``. Raises ``TypeError``/``ValueError``.
+    """
+    op = "swiglu_forward_and_per_token_cast"
+    h = _check_x(op, x, tuple(_IN_DTYPES))
+    e = x.shape[0]
+    checks.check_divisible(op, "hidden (x.shape[1] / 2)", h, 128)
+    checks.check_one_of(op, "fmt", fmt, ("e4m3",))
+    if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool):
+        checks.fail(op, "num_per_channels", "an int", type(num_per_channels).__name__, TypeError)
+    checks.check_one_of(op, "num_per_channels", num_per_channels, sorted(set(GROUPS) | {h}))
+    layout = sf_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    if num_per_channels > 128 and layout != "row":
+        checks.fail(op, "use_tma_aligned_col_major_sf", "False with one scale per row (num_per_channels == H)", True)
+    if pos_to_token_topk is not None:
+        _check_index(op, "pos_to_token_topk", pos_to_token_topk, e, x.device)
+        if topk_weights is None:
+            checks.fail(op, "topk_weights", "given with pos_to_token_topk", None)
+        checks.check_dtype(op, "topk_weights", topk_weights, torch.float32)
+        checks.check_ndim(op, "topk_weights", topk_weights, 2)
+        checks.check_contiguous(op, "topk_weights", topk_weights)
+        checks.check_same_device(op, "topk_weights", topk_weights, x.device)
+    elif topk_weights is not None:
+        checks.check_dtype(op, "topk_weights", topk_weights, torch.float32)
+        checks.check_shape(op, "topk_weights (per-row weights without pos_to_token_topk)", topk_weights, (e,))
+        checks.check_contiguous(op, "topk_weights", topk_weights)
+        checks.check_same_device(op, "topk_weights", topk_weights, x.device)
+    if pos_to_expert is not None:
+        _check_index(op, "pos_to_expert", pos_to_expert, e, x.device)
+    clamp = _check_clamp(op, swiglu_clamp_value)
+    if clamped_count is not None:
+        if clamp is None:
+            checks.fail(op, "clamped_count", "None without swiglu_clamp_value", "a tensor")
+        checks.check_dtype(op, "clamped_count", clamped_count, torch.int64)
+        checks.check_ndim(op, "clamped_count", clamped_count, 1)
+        checks.check_one_of(op, "clamped_count.shape[0]", clamped_count.shape[0], (3, 4))
+        checks.check_contiguous(op, "clamped_count", clamped_count)
+        checks.check_same_device(op, "clamped_count", clamped_count, x.device)
+    if sf_clamp_min is None:
+        clamp_min = get_amax_clamp("e4m3")
+    else:
+        clamp_min = float(sf_clamp_min)
+        if not (math.isfinite(clamp_min) and clamp_min >= E4M3_MAX * 2.0**-126):
+            checks.fail(op, "sf_clamp_min", f"a finite float >= {E4M3_MAX * 2.0**-126:.3g} (448 * 2**-126)", repr(sf_clamp_min))
+    if x.device.type != "cuda":
+        from . import reference
+
+        return reference.swiglu_forward_and_per_token_cast(
+            x, fmt, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, use_tma_aligned_col_major_sf,
+            round_sf, use_packed_ue8m0, clamp, clamped_count, clamp_min,
+        )
+    out = torch.empty((e, h), dtype=torch.float8_e4m3fn, device=x.device)
+    flat, sf = alloc_sf_storage(e, ceil_div(h, num_per_channels), layout, x.device)
+    if e:
+        swiglu_forward_and_per_token_cast_(
+            x, pos_to_expert, pos_to_token_topk, topk_weights, out, flat, clamped_count, num_per_channels, layout,
+            bool(round_sf), clamp, clamp_min,
+        )
+    return out, sf
+
+
+def swiglu_backward_and_per_token_cast(
+    x: tuple[torch.Tensor, torch.Tensor],
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    pos_to_token_topk: torch.Tensor,
+    token_topk_to_pos: torch.Tensor,
+    num_per_channels: int,
+    round_sf: bool = False,
+    swiglu_clamp_value: float | None = None,
+    use_tma_aligned_col_major_sf: bool = False,
+    use_packed_ue8m0: bool = False,
+):
+    """Backward of the weighted SwiGLU for the MoE fused layout, with a per-token e4m3 cast of ``x_grad``.
+
+    - ``x = (x_fp8, x_sf)``: float8_e4m3fn ``(E, 2H)`` (or ``(..., 2H)``, flattened to rows), contiguous, and its
+      row-major float32 scales ``(E, 2H / bk)``, ``bk = num_per_channels`` in {32, 64, 128}, ``H % bk == 0``.
+    - ``grad_out``: bf16 ``(E, H)`` (any shape with ``E * H`` elements, contiguous).
+    - ``weight``: float32 ``(N, K)`` contiguous; ``pos_to_token_topk``: int32 ``(E,)`` (flat ``t*K+k`` or -1);
+      ``token_topk_to_pos``: int32 ``(N, K)`` (validated; the kernel does not need it).
+    - ``round_sf``, ``use_tma_aligned_col_major_sf``, ``use_packed_ue8m0``: scale rounding and layout of the
+      output SF; ``swiglu_clamp_value`` (float > 0) as in the forward.
+
+    Returns ``(out bf16 (E, H), (x_grad_fp8 (E, 2H), sf), x_grad bf16 (E, 2H), weight_grad float32 (N, K))``.
+    ``weight_grad`` is exact and deterministic (see the module docstring) and 0 for every (token, k) no row
+    refers to. Bit-exact with ``tk_quant.reference.swiglu_backward_and_per_token_cast``.
+    """
+    op = "swiglu_backward_and_per_token_cast"
+    if not (isinstance(x, (tuple, list)) and len(x) == 2):
+        checks.fail(op, "x", "a QuantTensor (x_fp8, x_sf)", type(x).__name__, TypeError)
+    xq, xs = x
+    checks.check_dtype(op, "x[0] (x_fp8)", xq, torch.float8_e4m3fn)
+    if xq.dim() < 2:
+        checks.fail(op, "x[0] (x_fp8)", "at least 2-D", f"shape {tuple(xq.shape)}")
+    checks.check_contiguous(op, "x[0] (x_fp8)", xq)
+    xq = xq.view(-1, xq.shape[-1])
+    e, h2 = xq.shape
+    if h2 % 2:
+        checks.fail(op, "x[0].shape[-1]", "even ([gate | up] halves)", h2)
+    h = h2 // 2
+    if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool):
+        checks.fail(op, "num_per_channels", "an int", type(num_per_channels).__name__, TypeError)
+    checks.check_one_of(op, "num_per_channels", num_per_channels, GROUPS)
+    checks.check_divisible(op, "hidden (x[0].shape[-1] / 2)", h, num_per_channels)
+    nk = h2 // num_per_channels
+    checks.check_dtype(op, "x[1] (x_sf)", xs, torch.float32)
+    checks.check_shape(op, "x[1] (x_sf)", xs, (e, nk))
+    checks.check_contiguous(op, "x[1] (x_sf)", xs)
+    checks.check_same_device(op, "x[1] (x_sf)", xs, xq.device)
+    checks.check_dtype(op, "grad_out", grad_out, torch.bfloat16)
+    checks.check_contiguous(op, "grad_out", grad_out)
+    if grad_out.numel() != e * h or (grad_out.dim() and grad_out.shape[-1] != h):
+        checks.fail(op, "grad_out", f"of {e} x {h} elements with last dimension {h}", f"shape {tuple(grad_out.shape)}")
+    checks.check_same_device(op, "grad_out", grad_out, xq.device)
+    grad_out = grad_out.view(e, h)
+    checks.check_dtype(op, "weight", weight, torch.float32)
+    checks.check_ndim(op, "weight", weight, 2)
+    checks.check_contiguous(op, "weight", weight)
+    checks.check_same_device(op, "weight", weight, xq.device)
+    _check_index(op, "pos_to_token_topk", pos_to_token_topk, e, xq.device)
+    checks.check_dtype(op, "token_topk_to_pos", token_topk_to_pos, torch.int32)
+    checks.check_shape(op, "token_topk_to_pos", token_topk_to_pos, tuple(weight.shape))
+    checks.check_same_device(op, "token_topk_to_pos", token_topk_to_pos, xq.device)
+    clamp = _check_clamp(op, swiglu_clamp_value)
+    layout = sf_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    clamp_min = get_amax_clamp("e4m3")
+    if xq.device.type != "cuda":
+        from . import reference
+
+        return reference.swiglu_backward_and_per_token_cast(
+            (xq, xs), grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_sf, clamp,
+            use_tma_aligned_col_major_sf, use_packed_ue8m0,
+        )
+    dev = xq.device
+    out = torch.empty((e, h), dtype=torch.bfloat16, device=dev)
+    x_grad_fp8 = torch.empty((e, h2), dtype=torch.float8_e4m3fn, device=dev)
+    flat, sf = alloc_sf_storage(e, nk, layout, dev)
+    x_grad = torch.empty((e, h2), dtype=torch.bfloat16, device=dev)
+    weight_grad = torch.empty_like(weight)
+    swiglu_backward_and_per_token_cast_(
+        xq, xs, grad_out, weight, pos_to_token_topk, out, x_grad_fp8, flat, x_grad, weight_grad, num_per_channels,
+        layout, bool(round_sf), clamp, clamp_min,
+    )
+    return out, (x_grad_fp8, sf), x_grad, weight_grad
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(
+    x: torch.Tensor,
+    fmt: str,
+    num_per_tokens: int,
+    round_sf: bool = False,
+    without_transpose: bool = False,
+    swiglu_clamp_value: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a = bf16(SwiGLU(x))`` for bf16 ``x = [g | u]`` ``(T, 2H)`` (contiguous, ``H % 64 == 0``,
+    ``T % num_per_tokens == 0``), then an e4m3 cast with one scale per ``num_per_tokens`` (32 or 128) tokens
+    of each column.
+
+    Returns ``(out, sf)``: ``out`` float8_e4m3fn ``(H, T)`` (``(T, H)`` with ``without_transpose``) and ``sf``
+    row-major float32 ``(T / num_per_tokens, H)``. ``swiglu_clamp_value`` (float > 0) is a runtime value (no
+    recompile per value), applied in float32. Bit-exact with
+    ``tk_quant.reference.swiglu_forward_and_per_channel_cast_and_transpose``.
+    """
+    op = "swiglu_forward_and_per_channel_cast_and_transpose"
+    h = _check_x(op, x, (torch.bfloat16,))
+    t = x.shape[0]
+    checks.check_divisible(op, "hidden (x.shape[1] / 2)", h, 64)
+    checks.check_one_of(op, "fmt", fmt, ("e4m3",))
+    checks.check_one_of(op, "num_per_tokens", num_per_tokens, (32, 128))
+    checks.check_divisible(op, "x.shape[0] (tokens)", t, num_per_tokens)
+    clamp = _check_clamp(op, swiglu_clamp_value)
+    clamp_min = get_amax_clamp("e4m3")
+    if x.device.type != "cuda":
+        from . import reference
+
+        return reference.swiglu_forward_and_per_channel_cast_and_transpose(
+            x, fmt, num_per_tokens, round_sf, without_transpose, clamp
+        )
+    shape = (t, h) if without_transpose else (h, t)
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty((t // num_per_tokens, h), dtype=torch.float32, device=x.device)
+    if t:
+        swiglu_forward_and_per_channel_cast_and_transpose_(
+            x, out, sf, num_per_tokens, bool(round_sf), not without_transpose, clamp, clamp_min
+        )
+    return out, sf
