@@ -157,3 +157,191 @@ def cast_back_from_e5m6(x, fmt: str, x_block_size) -> torch.Tensor:
     codes = unpack_e5m6(q.data) if q.t else torch.empty((0, q.h), dtype=torch.int32, device=q.data.device)
     s = expand_sf(decode_sf(q.sf, q.nm, q.nk), q.t, q.h, *q.block)
     return (decode_e5m6(codes) * s).to(OUT_DTYPES[fmt])
+
+
+# --- fused SwiGLU + casts (§7, §9.5, §9.6) --------------------------------------------------------
+#
+# SwiGLU of a row [g | u]: act = g / (1 + exp(-g)) * u in float32, in this order (``torch.exp`` matches CUDA
+# ``expf`` on the GPU; CPU results may differ from the GPU in the last bit of exp). The backward needs
+# ``fma(g, 1 - s, 1)`` with one rounding, as the kernel's ``__fmaf_rn``: ``fma_f32`` computes it exactly on
+# any device from float64 (the product of two floats is exact in float64; the sum is rounded to odd with a
+# TwoSum error term, and round-to-odd at 53 bits followed by RNE to 24 bits is a correct single rounding).
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fl32(a * b + c)`` with a single rounding (IEEE fma), bit-exact on CPU and GPU."""
+    a64, b64, c64 = a.double(), b.double(), c.double()
+    p = a64 * b64  # exact
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)  # TwoSum: p + c == s + err exactly
+    inexact = (err != 0) & torch.isfinite(s)
+    even = (s.view(torch.int64) & 1) == 0
+    inf = torch.full_like(s, float("inf"))
+    toward = torch.nextafter(s, torch.where(err > 0, inf, -inf))
+    return torch.where(inexact & even, toward, s).float()
+
+
+def _clamp_gu(g: torch.Tensor, u: torch.Tensor, c):
+    """``(g', u', cg, cu_hi, cu_lo)``: g <- (g > c ? c : g), u <- clamp(u, -c, c) (selects, NaN kept)."""
+    if c is None:
+        return g, u, None, None, None
+    c = torch.tensor(c, dtype=torch.float32, device=g.device)
+    cg, chi, clo = g > c, u > c, u < -c
+    return torch.where(cg, c, g), torch.where(chi, c, torch.where(clo, -c, u)), cg, chi, clo
+
+
+def _swiglu_act(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return g / (1.0 + torch.exp(-g)) * u
+
+
+def _row_weights(e: int, pos_to_token_topk, topk_weights, device):
+    """Per-row weights (float32 ``(E,)``) or None: ``topk_weights.flat[idx]`` (0 for ``idx < 0``), or 1-D."""
+    if topk_weights is None:
+        return None
+    if pos_to_token_topk is None:
+        return topk_weights.float().reshape(e)
+    idx = pos_to_token_topk.long()
+    flat = topk_weights.float().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(e, device=device)
+    return torch.where(idx >= 0, flat[idx.clamp(0, flat.numel() - 1)], torch.zeros((), device=device))
+
+
+def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
+    """§9.5: float32 ``(E, H)`` ``act * w`` of ``x = [g | u]`` (bf16/fp32 ``(E, 2H)``); ``w`` as in
+    ``_row_weights`` (none when ``topk_weights`` is None). ``clamped_count[0..2] +=`` the counts of
+    ``g > c``, ``u > c``, ``u < -c`` over all rows (before clamping)."""
+    h = x.shape[1] // 2
+    xf = x.float()
+    g, u = xf[:, :h], xf[:, h:]
+    g2, u2, cg, chi, clo = _clamp_gu(g, u, swiglu_clamp_value)
+    if clamped_count is not None and cg is not None:
+        clamped_count[:3] += torch.stack([cg.sum(), chi.sum(), clo.sum()]).to(clamped_count)
+    act = _swiglu_act(g2, u2)
+    w = _row_weights(x.shape[0], pos_to_token_topk, topk_weights, x.device)
+    return act if w is None else act * w[:, None]
+
+
+def wgrad_dot(grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """Per-row ``sum_j fl(grad[p, j] * act[p, j])`` in the kernel's order: lane ``l`` of a warp owns columns
+    ``it*512 + c*256 + l*8 + i`` (c in {0, 1}, i in 0..7) and adds their products one by one in (it, c, i)
+    order starting from +0; then ``v += shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1. float32 ``(E,)``."""
+    e, h = grad.shape
+    prod = grad.float() * act.float()
+    iters = -(-h // 512)
+    prod = torch.nn.functional.pad(prod, (0, iters * 512 - h))
+    p = prod.view(e, iters, 2, 32, 8).permute(0, 3, 1, 2, 4).reshape(e, 32, iters * 16)
+    acc = torch.zeros((e, 32), dtype=torch.float32, device=grad.device)
+    for j in range(iters * 16):
+        acc = acc + p[:, :, j]
+    lanes = torch.arange(32, device=grad.device)
+    for off in (16, 8, 4, 2, 1):
+        acc = acc + acc[:, lanes ^ off]
+    return acc[:, 0]
+
+
+def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, swiglu_clamp_value=None):
+    """§9.6: ``(out fp32 (E, H), x_grad fp32 (E, 2H), weight_grad fp32 (N, K))`` for ``x = (x_fp8, x_sf)``
+    (per-token scales with ``num_per_channels`` columns). ``weight_grad`` holds ``wgrad_dot`` of each row
+    with ``pos_to_token_topk >= 0`` at that flat index and 0 elsewhere (``token_topk_to_pos`` is unused)."""
+    xq, xs = x
+    xq = xq.reshape(-1, xq.shape[-1])
+    e, h2 = xq.shape
+    h = h2 // 2
+    xf = xq.float() * expand_sf(xs.float(), e, h2, 1, num_per_channels)
+    g, u, cg, chi, clo = _clamp_gu(xf[:, :h], xf[:, h:], swiglu_clamp_value)
+    t = 1.0 + torch.exp(-g)
+    s = torch.ones_like(t) / t
+    act = g / t * u
+    w = _row_weights(e, pos_to_token_topk, weight, xq.device)[:, None]
+    out = act * w
+    gf = grad_out.reshape(e, h).float()
+    gws = gf * w * s
+    dg = gws * u * fma_f32(g, 1.0 - s, torch.ones_like(g))
+    du = gws * g
+    if cg is not None:
+        zero = torch.zeros((), device=xq.device)
+        dg = torch.where(cg, zero, dg)
+        du = torch.where(chi | clo, zero, du)
+    weight_grad = torch.zeros_like(weight, dtype=torch.float32)
+    idx = pos_to_token_topk.long()
+    valid = idx >= 0
+    if e:
+        weight_grad.view(-1)[idx[valid]] = wgrad_dot(gf, act)[valid]
+    return out, torch.cat([dg, du], dim=1), weight_grad
+
+
+def swiglu_forward_and_per_token_cast(
+    x,
+    fmt: str,
+    num_per_channels: int,
+    pos_to_token_topk=None,
+    topk_weights=None,
+    pos_to_expert=None,
+    use_tma_aligned_col_major_sf: bool = False,
+    round_sf: bool = False,
+    use_packed_ue8m0: bool = False,
+    swiglu_clamp_value=None,
+    clamped_count=None,
+    sf_clamp_min=None,
+):
+    """Golden model of ``tk_quant.swiglu_forward_and_per_token_cast``: ``v = act * w`` per row, a per-token
+    e4m3 cast with ``(1, num_per_channels)`` blocks and floor ``sf_clamp_min`` (default
+    ``get_amax_clamp('e4m3')``); rows with ``pos_to_expert < 0`` get zero data and zero scales and are not
+    counted; ``clamped_count += [#g>c, #u>c, #u<-c(, H * rows)]`` over the other rows."""
+    e, h = x.shape[0], x.shape[1] // 2
+    layout = sf_out_layout("tk_quant.reference.swiglu_forward_and_per_token_cast", use_tma_aligned_col_major_sf,
+                           use_packed_ue8m0, round_sf)
+    keep = pos_to_expert >= 0 if pos_to_expert is not None else torch.ones(e, dtype=torch.bool, device=x.device)
+    if clamped_count is not None and swiglu_clamp_value is not None:
+        xf = x.float()[keep]
+        c = torch.tensor(swiglu_clamp_value, dtype=torch.float32, device=x.device)
+        g, u = xf[:, :h], xf[:, h:]
+        counts = [(g > c).sum(), (u > c).sum(), (u < -c).sum()]
+        if clamped_count.shape[0] > 3:
+            counts.append(keep.sum() * h)
+        clamped_count += torch.stack(counts).to(clamped_count)
+    v = swiglu_forward(x, pos_to_token_topk, topk_weights, swiglu_clamp_value)
+    clamp_min = amax_clamp(fmt) if sf_clamp_min is None else float(sf_clamp_min)
+    amax = _block_amax(v, 1, num_per_channels)
+    sf_rows, sf_inv = compute_scales(amax, FMT_MAX[fmt], clamp_min, round_sf)
+    data = encode_e4m3(v * expand_sf(sf_inv, e, h, 1, num_per_channels))
+    zero = torch.zeros((), device=x.device)
+    data = torch.where(keep[:, None], data.view(torch.uint8), zero.to(torch.uint8)).view(torch.float8_e4m3fn)
+    sf_rows = torch.where(keep[:, None], sf_rows, zero)
+    return data, sf_to_layout(sf_rows, layout)
+
+
+def swiglu_backward_and_per_token_cast(
+    x,
+    grad_out,
+    weight,
+    pos_to_token_topk,
+    token_topk_to_pos,
+    num_per_channels: int,
+    round_sf: bool = False,
+    swiglu_clamp_value=None,
+    use_tma_aligned_col_major_sf: bool = False,
+    use_packed_ue8m0: bool = False,
+):
+    """Golden model of ``tk_quant.swiglu_backward_and_per_token_cast``: ``swiglu_backward``, then
+    ``out`` and ``x_grad`` rounded to bf16 and the float32 ``x_grad`` cast per token (``(1, bk)`` blocks).
+    Returns ``(out, (x_grad_fp8, sf), x_grad, weight_grad)``."""
+    out, x_grad, weight_grad = swiglu_backward(
+        x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, swiglu_clamp_value
+    )
+    q = cast(x_grad, "e4m3", (1, num_per_channels), round_sf=round_sf,
+             use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0)
+    return out.bfloat16(), q, x_grad.bfloat16(), weight_grad
+
+
+def swiglu_forward_and_per_channel_cast_and_transpose(
+    x, fmt: str, num_per_tokens: int, round_sf: bool = False, without_transpose: bool = False, swiglu_clamp_value=None
+):
+    """Golden model of ``tk_quant.swiglu_forward_and_per_channel_cast_and_transpose``: ``a = bf16(act)``,
+    per-channel e4m3 cast with ``(num_per_tokens, 1)`` blocks; data transposed to ``(H, T)`` unless
+    ``without_transpose``; SF row-major ``(T / num_per_tokens, H)``."""
+    a = swiglu_forward(x, swiglu_clamp_value=swiglu_clamp_value).bfloat16()
+    data, sf = cast(a, fmt, (num_per_tokens, 1), round_sf=round_sf)
+    return (data if without_transpose else data.t().contiguous()), sf
