@@ -5,6 +5,11 @@ from .cast_back import cast_back, cast_back_e5m6, per_token_cast_back
 from .common import QuantTensor, unpack_from_e2m1fn_x2
 from .per_token_cast import per_token_cast, per_token_cast_with_precomputed_sf, per_token_cast_with_sf_only
 from .per_token_cast_e5m6 import per_token_cast_to_e5m6
+from .swiglu import (
+    swiglu_backward_and_per_token_cast,
+    swiglu_forward_and_per_channel_cast_and_transpose,
+    swiglu_forward_and_per_token_cast,
+)
 
 __all__ = [
     "__version__",
@@ -16,5 +21,8 @@ __all__ = [
     "per_token_cast_to_e5m6",
     "per_token_cast_with_precomputed_sf",
     "per_token_cast_with_sf_only",
+    "swiglu_backward_and_per_token_cast",
+    "swiglu_forward_and_per_channel_cast_and_transpose",
+    "swiglu_forward_and_per_token_cast",
     "unpack_from_e2m1fn_x2",
 ]
