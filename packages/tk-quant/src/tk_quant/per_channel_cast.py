@@ -383,7 +383,7 @@ def per_channel_cast_fused(
         if pos_to_token is not None:
             err = error_count if error_count is not None else torch.zeros(1, dtype=torch.int32, device=data.device)
         else:
-            err = error_count if error_count is not None else sf  # unused by the kernel without a gather
+            err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused by the kernel without a gather
         per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), get_amax_clamp("e4m3"))
         if check and pos_to_token is not None:
             n_bad = int(err.item())

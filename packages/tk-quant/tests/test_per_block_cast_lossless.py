@@ -1,0 +1,163 @@
+"""per_block_cast_lossless: cpu, compile, gpu tiers."""
+
+import pytest
+import torch
+
+from tk_core.jit import ARCHS
+from tk_core.testing import assert_equal
+from tk_core.testing.generators import generate_rand_float
+from tk_quant import reference
+from tk_quant.per_block_cast_lossless import per_block_cast_lossless, per_block_cast_lossless_, per_block_cast_lossless_kernel
+
+OUT_BLOCKS = [(1, 128), (32, 32), (128, 128)]
+LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True
+
+
+def _fp4_input(t, h, in_layout, device="cpu", spread=9):
+    """FP4 data with 1x32 power-of-two scales whose dynamic range is bounded by 2**spread."""
+    x = generate_rand_float((t, h), device=device)
+    m = x.abs().max() if x.numel() else torch.tensor(1.0)
+    x = torch.where(x.abs() < m / 2**spread, torch.sign(x) * m / 2**spread + (x == 0) * m / 2**spread, x)
+    col, packed = in_layout
+    return reference.cast(x, "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+
+
+def _bits(a):
+    return a.contiguous().view(torch.int32)
+
+
+# --- cpu tier ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("out_block", OUT_BLOCKS)
+@pytest.mark.parametrize("in_layout", LAYOUTS)
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+def test_lossless_roundtrip_cpu(out_block, in_layout, out_layout):
+    xq = _fp4_input(130, 576, in_layout)
+    out, sf = per_block_cast_lossless(xq, "e4m3", (1, 32), out_block, out_layout[0], True, out_layout[1])
+    assert_equal(_bits(reference.cast_back(xq, "fp32", (1, 32))), _bits(reference.cast_back((out, sf), "fp32", out_block)))
+
+
+def test_hand_made_range_and_scale_byte():
+    # scales 2**-126 (byte 1) only: 1.0.0 wrote byte 0 (decodes to 0.0); we write byte 1
+    data = torch.full((1, 16), 0x72, dtype=torch.int8)  # codes 2 (1.0) and 7 (6.0)
+    sf = torch.full((1, 1), 2.0**-126)
+    out, sf_out = per_block_cast_lossless((data, sf), "e4m3", (1, 32), (1, 32))
+    assert sf_out.item() == 2.0**-126
+    assert out[0, :2].float().tolist() == [1.0, 6.0]
+    # a spread of 2**14 is still exact (e4m3 subnormals); 2**15 is rejected
+    data = torch.full((1, 32), 0x11, dtype=torch.int8)  # all 0.5
+    ok = torch.tensor([[1.0, 2.0**-14]])
+    out, s = per_block_cast_lossless((data, ok), "e4m3", (1, 32), (1, 64))
+    assert_equal(_bits(reference.cast_back((data, ok), "fp32", (1, 32))), _bits(reference.cast_back((out, s), "fp32", (1, 64))))
+    with pytest.raises(ValueError, match="inadmissible"):
+        per_block_cast_lossless((data, torch.tensor([[1.0, 2.0**-15]])), "e4m3", (1, 32), (1, 64))
+
+
+def test_rejects_non_power_of_two_and_counts():
+    data = torch.zeros((2, 32), dtype=torch.int8)
+    sf = torch.tensor([[1.5, 1.0], [float("inf"), 0.0]])
+    cnt = torch.zeros(1, dtype=torch.int32)
+    per_block_cast_lossless((data, sf), "e4m3", (1, 32), (1, 64), check=False, error_count=cnt)
+    assert cnt.item() == 2
+    with pytest.raises(ValueError, match="2 inadmissible"):
+        per_block_cast_lossless((data, sf), "e4m3", (1, 32), (1, 64))
+
+
+def test_zero_scale_and_zero_tokens():
+    data = torch.tensor([[0x98] * 16], dtype=torch.uint8).view(torch.int8)  # codes 8 (-0) and 9 (-0.5)
+    out, sf = per_block_cast_lossless((data, torch.zeros(1, 1)), "e4m3", (1, 32), (1, 32))
+    assert out.view(torch.uint8)[0, :2].tolist() == [0x80, 0x80]
+    out, sf = per_block_cast_lossless((torch.empty(0, 64, dtype=torch.int8), torch.empty(0, 4)), "e4m3", (1, 32), (32, 32))
+    assert out.shape == (0, 128) and sf.shape == (0, 4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, msg",
+    [
+        (dict(fmt="e2m1"), ValueError, "fmt must be 'e4m3'"),
+        (dict(round_sf=False), ValueError, "round_sf must be True"),
+        (dict(out_block_size=(1, 16)), ValueError, "bk_in <= bk_out"),
+        (dict(out_block_size=(1, 96)), ValueError, "powers of two"),
+        (dict(out_block_size=(256, 128)), ValueError, "at most 128"),
+        (dict(x_block_size=(1, 64)), ValueError, "sf must be of shape"),
+    ],
+)
+def test_validation(kwargs, exc, msg):
+    args = dict(x=(torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 2)), fmt="e4m3", x_block_size=(1, 32), out_block_size=(1, 128))
+    args.update(kwargs)
+    with pytest.raises(exc, match=msg):
+        per_block_cast_lossless(**args)
+
+
+# --- compile tier -------------------------------------------------------------------------------------
+
+COMPILE_VARIANTS = [
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="row"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=32, bk_out=32, layout="row"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=128, bk_out=128, layout="row"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="packed"),
+    dict(hidden=576, bm_in=1, bk_in=32, in_kind="packed", bm_out=32, bk_out=32, layout="packed"),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("params", COMPILE_VARIANTS, ids=lambda p: "-".join(str(v) for v in p.values()))
+def test_compiles(arch, params):
+    from tk_core.testing.compile_check import assert_compiles
+
+    src = assert_compiles(per_block_cast_lossless_kernel, arch, **params)
+    assert "__byte_perm" in src and "uint4" in src  # byte LUT, 16-byte stores
+
+
+# --- gpu tier -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 127, 4001])
+@pytest.mark.parametrize("h", [576, 7168])
+@pytest.mark.parametrize("out_block", OUT_BLOCKS)
+@pytest.mark.parametrize("in_layout", LAYOUTS)
+@pytest.mark.parametrize("out_layout", LAYOUTS)
+def test_kernel_matches_reference(t, h, out_block, in_layout, out_layout):
+    xq = tuple(v.cuda() for v in _fp4_input(t, h, in_layout))
+    ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), out_block, out_layout[0], True, out_layout[1])
+    out, sf = per_block_cast_lossless(xq, "e4m3", (1, 32), out_block, out_layout[0], True, out_layout[1])
+    assert ref[2] == 0
+    assert_equal(out, ref[0])
+    assert_equal(sf, ref[1], check_stride=True)
+    assert_equal(_bits(reference.cast_back(xq, "fp32", (1, 32))), _bits(reference.cast_back((out, sf), "fp32", out_block)))
+    out2, sf2 = per_block_cast_lossless(xq, "e4m3", (1, 32), out_block, out_layout[0], True, out_layout[1])
+    assert_equal(out2, out)
+    assert_equal(sf2, sf)
+
+
+@pytest.mark.gpu
+def test_errors_poison_opcheck_compile_graph():
+    xq = tuple(v.cuda() for v in _fp4_input(256, 512, (False, False)))
+    bad = (xq[0], xq[1].clone())
+    bad[1][3, 2] *= 1.5
+    with pytest.raises(ValueError, match="1 inadmissible"):
+        per_block_cast_lossless(bad, "e4m3", (1, 32), (1, 128))
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    per_block_cast_lossless(bad, "e4m3", (1, 32), (1, 128), check=False, error_count=cnt)
+    assert cnt.item() == 1
+    out = torch.full((256, 512), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    flat = torch.full((256 * 4,), float("nan"), device="cuda")
+    cnt.zero_()
+    per_block_cast_lossless_(xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row")
+    ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
+    assert_equal(out, ref[0])
+    assert_equal(flat.view(256, 4), ref[1])
+    torch.library.opcheck(per_block_cast_lossless_.op, (xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row"))
+    fn = torch.compile(lambda a, b: per_block_cast_lossless((a, b), "e4m3", (1, 32), (1, 128), check=False), fullgraph=True)
+    got = fn(*xq)
+    assert_equal(got[0], ref[0])
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128), check=False)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_equal(res[0], ref[0])
+    assert_equal(res[1], ref[1])
