@@ -80,7 +80,7 @@ def test_zero_scale_and_zero_tokens():
         (dict(out_block_size=(1, 16)), ValueError, "bk_in <= bk_out"),
         (dict(out_block_size=(1, 96)), ValueError, "powers of two"),
         (dict(out_block_size=(256, 128)), ValueError, "at most 128"),
-        (dict(x_block_size=(1, 64)), ValueError, "sf must be of shape"),
+        (dict(x_block_size=(1, 64)), ValueError, "must be of shape"),
     ],
 )
 def test_validation(kwargs, exc, msg):
