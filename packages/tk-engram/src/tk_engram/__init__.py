@@ -9,6 +9,17 @@ from .gate_fn import EngramGateFn, engram_gate
 from .hash import engram_hash
 from .reference import make_offsets
 
+# GateConv (TileOPs-style post-projection) forward, backward, autograd, decode
+from .decode import EngramDecodeFwdOp, engram_decode_step, init_decode_state
+from .gate_conv import (
+    EngramGateConvBwdOp,
+    EngramGateConvFn,
+    EngramGateConvFwdOp,
+    engram_gate_conv,
+    engram_gate_conv_bwd,
+    engram_gate_conv_fwd,
+)
+
 __all__ = [
     "__version__",
     # Engram hashing and gating
@@ -20,4 +31,14 @@ __all__ = [
     "fused_weight",
     "grad_w_reduce",
     "make_offsets",
+    # GateConv and decode
+    "EngramDecodeFwdOp",
+    "EngramGateConvBwdOp",
+    "EngramGateConvFn",
+    "EngramGateConvFwdOp",
+    "engram_decode_step",
+    "engram_gate_conv",
+    "engram_gate_conv_bwd",
+    "engram_gate_conv_fwd",
+    "init_decode_state",
 ]

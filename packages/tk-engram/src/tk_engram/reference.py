@@ -165,3 +165,138 @@ def grad_w_reduce_ref(
     S = S.to(acc_dt)
     grad_weight_hidden.add_(S * weight_embed.to(acc_dt))
     grad_weight_embed.add_(S * weight_hidden.to(acc_dt))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GateConv (TileOPs-style Engram post-projection): forward, backward, decode step
+# Conventions (see gate_conv.py): float32 math (float64 when an input is float64); "round" = to the storage
+# dtype of H; n = round(vhat_f32 * w_v * r_v) is what the convolution and the decode cache see.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _gc_cdt(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _gc_shift(x: torch.Tensor, lag: int) -> torch.Tensor:
+    """x[:, t - lag] along dim 1 (zeros outside [0, T)); lag may be negative (a look-ahead)."""
+    if lag == 0:
+        return x
+    T_ = x.shape[1]
+    out = torch.zeros_like(x)
+    if abs(lag) >= T_:
+        return out
+    if lag > 0:
+        out[:, lag:] = x[:, : T_ - lag]
+    else:
+        out[:, : T_ + lag] = x[:, -lag:]
+    return out
+
+
+def gate_conv_gate_ref(H, k, v, rms_w_h, rms_w_v, eps: float):
+    """The per-token gate in compute precision: (alpha, r_h, r_k, r_v, vhat_f, n) with n rounded to H.dtype."""
+    cd = _gc_cdt(H)
+    d = H.shape[-1]
+    h, kk, vv = H.to(cd), k.to(cd), v.to(cd)
+    wh, wv = rms_w_h.to(cd), rms_w_v.to(cd)
+    r_h = torch.rsqrt(h.square().mean(-1) + eps)
+    r_k = torch.rsqrt(kk.square().mean(-1) + eps)
+    s = (h * kk * (wh * wh)).sum(-1) * r_h * r_k / math.sqrt(d)
+    a = torch.sigmoid(s)
+    vh = a[..., None] * vv
+    r_v = torch.rsqrt(a * a * vv.square().mean(-1) + eps)
+    n = (vh * wv * r_v[..., None]).to(H.dtype).to(cd)
+    return a, r_h, r_k, r_v, vh, n
+
+
+def gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation: int = 1, eps: float = 1e-6):
+    """GateConv forward. H, k, v: (M, T, d); rms_w_*: (d,); conv_w: (w, d).
+
+    Returns (Y, vhat, alpha, rrms_h, rrms_k, rrms_v, conv_state): Y, vhat (M, T, d) in H.dtype; the four
+    statistics (M, T) float32 (float64 for float64 inputs); conv_state (M, dilation*(w-1), d) in H.dtype, the
+    ring cache of n for the last dilation*(w-1) tokens (slot tau mod len holds token tau; zeros before t=0).
+    """
+    cd = _gc_cdt(H)
+    M, T_, d = H.shape
+    w = conv_w.shape[0]
+    hist = dilation * (w - 1)
+    a, r_h, r_k, r_v, vh, n = gate_conv_gate_ref(H, k, v, rms_w_h, rms_w_v, eps)
+    cw = conv_w.to(cd)
+    u = torch.zeros_like(n)
+    for p in range(w):
+        u = u + cw[p] * _gc_shift(n, (w - 1 - p) * dilation)
+    Y = (u * torch.sigmoid(u) + vh).to(H.dtype)
+    st = torch.zeros((M, hist, d), dtype=H.dtype, device=H.device)
+    if hist:
+        padded = torch.cat([torch.zeros((M, hist, d), dtype=cd, device=H.device), n], dim=1)
+        st = torch.roll(padded[:, -hist:], shifts=T_ % hist, dims=1).to(H.dtype)
+    sd = torch.float64 if cd == torch.float64 else torch.float32
+    return Y, vh.to(H.dtype), a.to(sd), r_h.to(sd), r_k.to(sd), r_v.to(sd), st
+
+
+def gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dilation: int = 1):
+    """GateConv backward from the saved statistics (closed form, what the kernel computes).
+
+    Returns (dH, dk, dv) in H.dtype and (drms_w_h, drms_w_v, dconv_w) in float32 (float64 for float64 inputs).
+    """
+    cd = _gc_cdt(H)
+    d = H.shape[-1]
+    w = conv_w.shape[0]
+    g, h, kk, vv = dY.to(cd), H.to(cd), k.to(cd), v.to(cd)
+    wh, wv, cw = rms_w_h.to(cd), rms_w_v.to(cd), conv_w.to(cd)
+    a, rh, rk, rv = (x.to(cd)[..., None] for x in (alpha, rrms_h, rrms_k, rrms_v))
+    vh = a * vv
+    n = (vh * wv * rv).to(H.dtype).to(cd)
+    u = torch.zeros_like(n)
+    for p in range(w):
+        u = u + cw[p] * _gc_shift(n, (w - 1 - p) * dilation)
+    sg = torch.sigmoid(u)
+    gu = g * sg * (1 + u * (1 - sg))
+    gn = torch.zeros_like(gu)
+    dconv = torch.zeros((w, d), dtype=cd, device=H.device)
+    for p in range(w):
+        lag = (w - 1 - p) * dilation
+        gn = gn + cw[p] * _gc_shift(gu, -lag)
+        dconv[p] = (gu * _gc_shift(n, lag)).sum((0, 1))
+    B = (wv * gn * vv).sum(-1, keepdim=True)
+    C = vv.square().sum(-1, keepdim=True)
+    D = (g * vv).sum(-1, keepdim=True)
+    P = (h * kk * wh * wh).sum(-1, keepdim=True)
+    c1 = rv**3 * a * B / d
+    gvh = rv * wv * gn - c1 * vh + g
+    dv = a * gvh
+    ga = rv * B - c1 * a * C + D
+    cc = ga * a * (1 - a) / math.sqrt(d) * rh * rk
+    dH = cc * (wh * wh * kk - rh * rh * P / d * h)
+    dk = cc * (wh * wh * h - rk * rk * P / d * kk)
+    drms_w_h = 2 * wh * (cc * h * kk).sum((0, 1))
+    drms_w_v = (gn * vh * rv).sum((0, 1))
+    sd = torch.float64 if cd == torch.float64 else torch.float32
+    return dH.to(H.dtype), dk.to(H.dtype), dv.to(H.dtype), drms_w_h.to(sd), drms_w_v.to(sd), dconv.to(sd)
+
+
+def decode_step_ref(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w, dilation: int = 1,
+                    eps: float = 1e-6):
+    """One decode step; returns y (B, d) and updates ``conv_state`` (B, L, d) in place at slot pos mod L.
+
+    k = round(e_t @ W_K), v = round(e_t @ W_V) (float32 accumulation; rounded to the storage dtype as a
+    prefill's projection GEMM would); then the prefill gate; the cache holds n of earlier tokens at slot
+    (position mod L); u = conv_w[w-1]*n + sum_q conv_w[w-1-q]*cache[(pos - q*dilation) mod L].
+    """
+    cd = _gc_cdt(h_t)
+    B, d = h_t.shape
+    w = conv_w.shape[0]
+    kp = (e_t.to(cd) @ W_K.to(cd)).to(h_t.dtype)
+    vp = (e_t.to(cd) @ W_V.to(cd)).to(h_t.dtype)
+    a, _, _, _, vh, n = gate_conv_gate_ref(h_t, kp, vp, rms_w_h, rms_w_v, eps)
+    cw = conv_w.to(cd)
+    L = conv_state.shape[1]
+    pos = cache_pos.to(torch.int64)
+    rows = torch.arange(B, device=h_t.device)
+    u = cw[w - 1] * n
+    for q in range(1, w):
+        u = u + cw[w - 1 - q] * conv_state[rows, torch.remainder(pos - q * dilation, L)].to(cd)
+    y = (u * torch.sigmoid(u) + vh).to(h_t.dtype)
+    if w > 1:
+        conv_state[rows, torch.remainder(pos, L)] = n.to(conv_state.dtype)
+    return y

@@ -1,0 +1,660 @@
+"""TileLang kernels of GateConv forward, backward and decode (see ``gate_conv.py`` and ``decode.py`` for the
+math). Shared layout: one CTA owns whole d-rows; thread ``tx`` owns the 8-element column vectors
+``(s * threads + tx) * 8 .. + 8`` for ``s < slots``, so every global access is a 16-byte vector and every
+per-column state (the convolution history rings in shared memory, the weight-gradient accumulators in
+registers) is private to one thread: only the per-token row reductions synchronise the CTA.
+
+The causal convolution couples token t only with tokens t - q*dilation, so the tokens of one residue class
+modulo the dilation form an independent chain. A CTA walks ``chunk`` consecutive tokens of one chain of one
+sequence, recomputing a halo of ``taps - 1`` chain tokens before (and, in the backward, after) its chunk.
+"""
+
+import math
+
+import tilelang.language as T
+
+from tk_core.jit import kernel
+
+VEC = 8  # elements per 16-byte access (float16 / bfloat16)
+
+
+def row_layout(d: int) -> tuple[int, int]:
+    """(slots, threads) for a d-row: slots * threads * 8 >= d, threads a multiple of 32, at most 1024."""
+    nvec = -(-d // VEC)
+    slots = -(-nvec // 1024)
+    threads = -(-(-(-nvec // slots)) // 32) * 32
+    return slots, threads
+
+
+@kernel
+def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int):
+    slots, threads = row_layout(d)
+    nwarps = threads // 32
+    R = taps - 1
+    RS = max(R, 1)
+    hist = dilation * R
+    HS = max(hist, 1)
+    DP = slots * threads * VEC
+    inv_d = 1.0 / d
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+    M = T.dynamic("M")
+    L = T.dynamic("seq_len")
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        H: T.Tensor((M, L, d), dtype),
+        K: T.Tensor((M, L, d), dtype),
+        V: T.Tensor((M, L, d), dtype),
+        w_h: T.Tensor((d,), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        Y: T.Tensor((M, L, d), dtype),
+        VH: T.Tensor((M, L, d), dtype),
+        alpha: T.Tensor((M, L), f32),
+        rr_h: T.Tensor((M, L), f32),
+        rr_k: T.Tensor((M, L), f32),
+        rr_v: T.Tensor((M, L), f32),
+        state: T.Tensor((M, HS, d), dtype),
+        eps: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bc, br, bm):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            ring = T.alloc_shared((RS, DP), dtype)
+            red = T.alloc_shared((4, nwarps), f32)
+            tot = T.alloc_local((4,), f32)
+            part = T.alloc_local((4,), f32)
+            uu = T.alloc_local((1,), f32)
+            wl = T.alloc_local((VEC,), dtype)
+            cw = T.alloc_local((taps * VEC,), dtype)
+            xh = T.alloc_local((slots * VEC,), dtype)
+            xk = T.alloc_local((slots * VEC,), dtype)
+            xv = T.alloc_local((slots * VEC,), dtype)
+            nh = T.alloc_local((slots * VEC,), dtype)
+            nk = T.alloc_local((slots * VEC,), dtype)
+            nv = T.alloc_local((slots * VEC,), dtype)
+            base = br + dilation * chunk * bc
+            # prefetch the first token of the walk
+            t0 = base - dilation * R
+            if t0 >= 0:
+                for s in T.unroll(slots):
+                    c0 = (s * threads + tx) * VEC
+                    if c0 < d:
+                        for e in T.vectorized(VEC):
+                            nh[s * VEC + e] = H[bm, t0, c0 + e]
+                        for e in T.vectorized(VEC):
+                            nk[s * VEC + e] = K[bm, t0, c0 + e]
+                        for e in T.vectorized(VEC):
+                            nv[s * VEC + e] = V[bm, t0, c0 + e]
+            for it in T.serial(R + chunk):
+                t = base + dilation * (it - R)
+                slot = it % RS
+                for e in T.unroll(slots * VEC):
+                    xh[e] = nh[e]
+                    xk[e] = nk[e]
+                    xv[e] = nv[e]
+                tn = t + dilation
+                if it + 1 < R + chunk and tn >= 0 and tn < L:
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            for e in T.vectorized(VEC):
+                                nh[s * VEC + e] = H[bm, tn, c0 + e]
+                            for e in T.vectorized(VEC):
+                                nk[s * VEC + e] = K[bm, tn, c0 + e]
+                            for e in T.vectorized(VEC):
+                                nv[s * VEC + e] = V[bm, tn, c0 + e]
+                if t < 0:
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        for e in T.unroll(VEC):
+                            ring[slot, c0 + e] = T.cast(0, dtype)
+                        if hist > 0:
+                            if t >= L - hist and c0 < d:
+                                for e in T.vectorized(VEC):
+                                    state[bm, T.floormod(t, HS), c0 + e] = T.cast(0, dtype)
+                elif t < L:
+                    for q in T.unroll(4):
+                        part[q] = T.float32(0)
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_h[c0 + e]
+                            for e in T.unroll(VEC):
+                                hv = T.cast(xh[s * VEC + e], f32)
+                                kv = T.cast(xk[s * VEC + e], f32)
+                                vv = T.cast(xv[s * VEC + e], f32)
+                                wh = T.cast(wl[e], f32)
+                                part[0] += hv * hv
+                                part[1] += kv * kv
+                                part[2] += hv * kv * (wh * wh)
+                                part[3] += vv * vv
+                    # CTA-wide sums (deterministic: fixed shuffle tree, then warps in order)
+                    for q in T.unroll(4):
+                        part[q] = T.warp_reduce_sum(part[q])
+                    if lane == 0:
+                        for q in T.unroll(4):
+                            red[q, warp] = part[q]
+                    T.sync_threads()
+                    for q in T.unroll(4):
+                        tot[q] = T.float32(0)
+                    for w in T.serial(nwarps):
+                        for q in T.unroll(4):
+                            tot[q] += red[q, w]
+                    T.sync_threads()
+                    r_h = T.rsqrt(tot[0] * inv_d + eps)
+                    r_k = T.rsqrt(tot[1] * inv_d + eps)
+                    sc = r_h * r_k * tot[2] * inv_sqrt_d
+                    a = T.float32(1) / (T.float32(1) + T.exp(-sc))
+                    r_v = T.rsqrt(a * a * (tot[3] * inv_d) + eps)
+                    if it >= R and tx == 0:
+                        alpha[bm, t] = a
+                        rr_h[bm, t] = r_h
+                        rr_k[bm, t] = r_k
+                        rr_v[bm, t] = r_v
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            yo = T.alloc_local((VEC,), dtype)
+                            vo = T.alloc_local((VEC,), dtype)
+                            no = T.alloc_local((VEC,), dtype)
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_v[c0 + e]
+                            for p in T.unroll(taps):
+                                for e in T.vectorized(VEC):
+                                    cw[p * VEC + e] = conv_w[p, c0 + e]
+                            for e in T.unroll(VEC):
+                                vh = a * T.cast(xv[s * VEC + e], f32)
+                                no[e] = T.cast(vh * T.cast(wl[e], f32) * r_v, dtype)
+                                uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
+                                for q in T.unroll(1, taps):
+                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(
+                                        ring[(it - q + RS * taps) % RS, c0 + e], f32
+                                    )
+                                vo[e] = T.cast(vh, dtype)
+                                yo[e] = T.cast(uu[0] / (T.float32(1) + T.exp(-uu[0])) + vh, dtype)
+                            for e in T.unroll(VEC):
+                                ring[slot, c0 + e] = no[e]
+                            if it >= R:
+                                for e in T.vectorized(VEC):
+                                    Y[bm, t, c0 + e] = yo[e]
+                                for e in T.vectorized(VEC):
+                                    VH[bm, t, c0 + e] = vo[e]
+                            if hist > 0:
+                                if t >= L - hist:
+                                    for e in T.vectorized(VEC):
+                                        state[bm, T.floormod(t, HS), c0 + e] = no[e]
+
+    return main
+
+
+def fuse_dconv(d: int) -> bool:
+    """Whether the backward accumulates dconv_w inside the main kernel: only while a thread's registers
+    allow it (at most 512 threads per CTA, i.e. d <= 4096); larger rows use ``gate_conv_dconv_kernel``."""
+    return row_layout(d)[1] <= 512
+
+
+@kernel
+def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True):
+    """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
+    ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
+    per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
+    reduced in a fixed order afterwards: no atomics, bitwise reproducible."""
+    slots, threads = row_layout(d)
+    nwarps = threads // 32
+    R = taps - 1
+    RS = max(R, 1)
+    DP = slots * threads * VEC
+    EV = slots * VEC
+    NPW = 2 + taps if with_dconv else 2
+    keep_gn = True  # recomputing g_n instead (False) costs more registers with ptxas 13.0
+    inv_d = 1.0 / d
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+    M = T.dynamic("M")
+    L = T.dynamic("seq_len")
+    NP = T.dynamic("num_parts")
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        dY: T.Tensor((M, L, d), dtype),
+        H: T.Tensor((M, L, d), dtype),
+        K: T.Tensor((M, L, d), dtype),
+        V: T.Tensor((M, L, d), dtype),
+        w_h: T.Tensor((d,), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        alpha: T.Tensor((M, L), f32),
+        rr_h: T.Tensor((M, L), f32),
+        rr_k: T.Tensor((M, L), f32),
+        rr_v: T.Tensor((M, L), f32),
+        dH: T.Tensor((M, L, d), dtype),
+        dK: T.Tensor((M, L, d), dtype),
+        dV: T.Tensor((M, L, d), dtype),
+        part: T.Tensor((NP, NPW, d), f32),
+    ):
+        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bc, br, bm):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            ring_n = T.alloc_shared((RS, DP), dtype)
+            ring_g = T.alloc_shared((taps, DP), f32)
+            accw = T.alloc_shared((2, DP), f32)
+            red = T.alloc_shared((4, nwarps), f32)
+            tot = T.alloc_local((4,), f32)
+            ps = T.alloc_local((4,), f32)
+            acc = T.alloc_local((taps * EV,), f32)
+            gn = T.alloc_local((EV,), f32)
+            xa = T.alloc_local((VEC,), dtype)
+            xb = T.alloc_local((VEC,), dtype)
+            xc = T.alloc_local((VEC,), dtype)
+            xd = T.alloc_local((VEC,), dtype)
+            wl = T.alloc_local((VEC,), dtype)
+            wm = T.alloc_local((VEC,), dtype)
+            cw = T.alloc_local((taps * VEC,), dtype)
+            nn = T.alloc_local((VEC,), dtype)
+            oa = T.alloc_local((VEC,), dtype)
+            ob = T.alloc_local((VEC,), dtype)
+            oc = T.alloc_local((VEC,), dtype)
+            uu = T.alloc_local((1,), f32)
+            nch = T.ceildiv(L, dilation * chunk)
+            base = br + dilation * chunk * bc
+            if with_dconv:
+                for e in T.unroll(taps * EV):
+                    acc[e] = T.float32(0)
+            for s in T.unroll(slots):
+                for e in T.unroll(VEC):
+                    accw[0, (s * threads + tx) * VEC + e] = T.float32(0)
+                    accw[1, (s * threads + tx) * VEC + e] = T.float32(0)
+            for it in T.serial(2 * R + chunk):
+                # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
+                tj = base + dilation * (it - R)
+                sj = it % RS
+                gj = it % taps
+                if tj < 0:
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        for e in T.unroll(VEC):
+                            ring_n[sj, c0 + e] = T.cast(0, dtype)
+                elif tj < L:
+                    a = alpha[bm, tj]
+                    rv = rr_v[bm, tj]
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            for e in T.vectorized(VEC):
+                                xc[e] = V[bm, tj, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xd[e] = dY[bm, tj, c0 + e]
+                            for e in T.vectorized(VEC):
+                                wm[e] = w_v[c0 + e]
+                            for p in T.unroll(taps):
+                                for e in T.vectorized(VEC):
+                                    cw[p * VEC + e] = conv_w[p, c0 + e]
+                            for e in T.unroll(VEC):
+                                nn[e] = T.cast(a * T.cast(xc[e], f32) * T.cast(wm[e], f32) * rv, dtype)
+                                uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(nn[e], f32)
+                                for q in T.unroll(1, taps):
+                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(
+                                        ring_n[(it - q + RS * taps) % RS, c0 + e], f32
+                                    )
+                                sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
+                                gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
+                                ring_g[gj, c0 + e] = gu
+                                if with_dconv:
+                                    if it >= R and it < R + chunk:
+                                        acc[(taps - 1) * EV + s * VEC + e] += gu * T.cast(nn[e], f32)
+                                        for q in T.unroll(1, taps):
+                                            acc[(taps - 1 - q) * EV + s * VEC + e] += gu * T.cast(
+                                                ring_n[(it - q + RS * taps) % RS, c0 + e], f32
+                                            )
+                            for e in T.unroll(VEC):
+                                ring_n[sj, c0 + e] = nn[e]
+                else:
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        for e in T.unroll(VEC):
+                            ring_g[gj, c0 + e] = T.float32(0)
+                # ---- stage B: token i = it - 2R (norm and gate backward, dH, dk, dv) ----
+                ti = base + dilation * (it - 2 * R)
+                if it >= 2 * R and ti < L:
+                    a = alpha[bm, ti]
+                    rh = rr_h[bm, ti]
+                    rk = rr_k[bm, ti]
+                    rv = rr_v[bm, ti]
+                    for q in T.unroll(4):
+                        ps[q] = T.float32(0)
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            for p in T.unroll(taps):
+                                for e in T.vectorized(VEC):
+                                    cw[p * VEC + e] = conv_w[p, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xa[e] = H[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xb[e] = K[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xc[e] = V[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xd[e] = dY[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_h[c0 + e]
+                            for e in T.vectorized(VEC):
+                                wm[e] = w_v[c0 + e]
+                            for e in T.unroll(VEC):
+                                uu[0] = T.float32(0)
+                                for q in T.unroll(taps):
+                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
+                                        (it - R + q + taps * taps) % taps, c0 + e
+                                    ]
+                                if keep_gn:
+                                    gn[s * VEC + e] = uu[0]
+                                vv = T.cast(xc[e], f32)
+                                wh = T.cast(wl[e], f32)
+                                ps[0] += T.cast(wm[e], f32) * uu[0] * vv
+                                ps[1] += vv * vv
+                                ps[2] += T.cast(xd[e], f32) * vv
+                                ps[3] += T.cast(xa[e], f32) * T.cast(xb[e], f32) * (wh * wh)
+                    for q in T.unroll(4):
+                        ps[q] = T.warp_reduce_sum(ps[q])
+                    if lane == 0:
+                        for q in T.unroll(4):
+                            red[q, warp] = ps[q]
+                    T.sync_threads()
+                    for q in T.unroll(4):
+                        tot[q] = T.float32(0)
+                    for w in T.serial(nwarps):
+                        for q in T.unroll(4):
+                            tot[q] += red[q, w]
+                    T.sync_threads()
+                    c1 = rv * rv * rv * (a * tot[0]) * inv_d
+                    ga = rv * tot[0] - c1 * a * tot[1] + tot[2]
+                    cc = ga * a * (T.float32(1) - a) * inv_sqrt_d * rh * rk
+                    ch = rh * rh * tot[3] * inv_d
+                    ck = rk * rk * tot[3] * inv_d
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            for e in T.vectorized(VEC):
+                                xa[e] = H[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xb[e] = K[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xc[e] = V[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                xd[e] = dY[bm, ti, c0 + e]
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_h[c0 + e]
+                            for e in T.vectorized(VEC):
+                                wm[e] = w_v[c0 + e]
+                            if not keep_gn:
+                                for p in T.unroll(taps):
+                                    for e in T.vectorized(VEC):
+                                        cw[p * VEC + e] = conv_w[p, c0 + e]
+                            for e in T.unroll(VEC):
+                                hv = T.cast(xa[e], f32)
+                                kv = T.cast(xb[e], f32)
+                                vh = a * T.cast(xc[e], f32)
+                                wh = T.cast(wl[e], f32)
+                                if keep_gn:
+                                    uu[0] = gn[s * VEC + e]
+                                else:
+                                    uu[0] = T.float32(0)
+                                    for q in T.unroll(taps):
+                                        uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
+                                            (it - R + q + taps * taps) % taps, c0 + e
+                                        ]
+                                g = uu[0]
+                                gvh = rv * T.cast(wm[e], f32) * g - c1 * vh + T.cast(xd[e], f32)
+                                oc[e] = T.cast(a * gvh, dtype)
+                                oa[e] = T.cast(cc * (wh * wh * kv - ch * hv), dtype)
+                                ob[e] = T.cast(cc * (wh * wh * hv - ck * kv), dtype)
+                                accw[0, c0 + e] += cc * hv * kv
+                                accw[1, c0 + e] += g * vh * rv
+                            for e in T.vectorized(VEC):
+                                dH[bm, ti, c0 + e] = oa[e]
+                            for e in T.vectorized(VEC):
+                                dK[bm, ti, c0 + e] = ob[e]
+                            for e in T.vectorized(VEC):
+                                dV[bm, ti, c0 + e] = oc[e]
+            pid = (bm * dilation + br) * nch + bc
+            for s in T.unroll(slots):
+                c0 = (s * threads + tx) * VEC
+                if c0 < d:
+                    for p in T.unroll(2):
+                        for e in T.vectorized(VEC):
+                            part[pid, p, c0 + e] = accw[p, c0 + e]
+                    if with_dconv:
+                        for p in T.unroll(taps):
+                            for e in T.vectorized(VEC):
+                                part[pid, 2 + p, c0 + e] = acc[p * EV + s * VEC + e]
+
+    return main
+
+
+@kernel
+def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, threads: int = 128):
+    """dconv_w partial sums for rows too wide to fuse them into the backward: CTAs own 8*threads columns
+    of one chain chunk, recompute n, u and g_u column by column (no row reductions) and write
+    ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns."""
+    R = taps - 1
+    RS = max(R, 1)
+    NCB = -(-d // (VEC * threads))
+    M = T.dynamic("M")
+    L = T.dynamic("seq_len")
+    NP = T.dynamic("num_parts")
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        dY: T.Tensor((M, L, d), dtype),
+        V: T.Tensor((M, L, d), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        alpha: T.Tensor((M, L), f32),
+        rr_v: T.Tensor((M, L), f32),
+        part: T.Tensor((NP, taps, d), f32),
+    ):
+        with T.Kernel(NCB * T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bx, br, bm):
+            tx = T.get_thread_binding()
+            ring = T.alloc_local((RS * VEC,), f32)
+            acc = T.alloc_local((taps * VEC,), f32)
+            xc = T.alloc_local((VEC,), dtype)
+            xd = T.alloc_local((VEC,), dtype)
+            wm = T.alloc_local((VEC,), dtype)
+            cw = T.alloc_local((taps * VEC,), dtype)
+            nn = T.alloc_local((VEC,), f32)
+            uu = T.alloc_local((1,), f32)
+            nch = T.ceildiv(L, dilation * chunk)
+            bc = bx // NCB
+            c0 = ((bx % NCB) * threads + tx) * VEC
+            base = br + dilation * chunk * bc
+            for e in T.unroll(taps * VEC):
+                acc[e] = T.float32(0)
+            for e in T.unroll(RS * VEC):
+                ring[e] = T.float32(0)
+            if c0 < d:
+                for e in T.vectorized(VEC):
+                    wm[e] = w_v[c0 + e]
+                for p in T.unroll(taps):
+                    for e in T.vectorized(VEC):
+                        cw[p * VEC + e] = conv_w[p, c0 + e]
+                for it in T.serial(R + chunk):
+                    tj = base + dilation * (it - R)
+                    if tj >= 0 and tj < L:
+                        a = alpha[bm, tj]
+                        rv = rr_v[bm, tj]
+                        for e in T.vectorized(VEC):
+                            xc[e] = V[bm, tj, c0 + e]
+                        for e in T.vectorized(VEC):
+                            xd[e] = dY[bm, tj, c0 + e]
+                        for e in T.unroll(VEC):
+                            nn[e] = T.cast(T.cast(a * T.cast(xc[e], f32) * T.cast(wm[e], f32) * rv, dtype), f32)
+                            uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * nn[e]
+                            for q in T.unroll(1, taps):
+                                uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring[(q - 1) * VEC + e]
+                            sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
+                            gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
+                            if it >= R:
+                                acc[(taps - 1) * VEC + e] += gu * nn[e]
+                                for q in T.unroll(1, taps):
+                                    acc[(taps - 1 - q) * VEC + e] += gu * ring[(q - 1) * VEC + e]
+                    # shift the history (ring[q-1] holds the chain token q steps back); zeros before t = 0
+                    for q in T.unroll(R - 1):
+                        for e in T.unroll(VEC):
+                            ring[(R - 1 - q) * VEC + e] = ring[(R - 2 - q) * VEC + e]
+                    if R > 0:
+                        for e in T.unroll(VEC):
+                            ring[e] = T.if_then_else(tj >= 0 and tj < L, nn[e], T.float32(0))
+                pid = (bm * dilation + br) * nch + bc
+                for p in T.unroll(taps):
+                    for e in T.vectorized(VEC):
+                        part[pid, p, c0 + e] = acc[p * VEC + e]
+
+    return main
+
+
+@kernel
+def decode_proj_kernel(dtype: str, d_mem: int, d: int, block_m: int = 64, block_n: int = 64, block_k: int = 64,
+                       stages: int = 4):
+    """out = e @ W (float32 accumulation on tensor cores, rounded to ``dtype``); launched once for W_K and
+    once for W_V. Grid: (d / block_n, batch / block_m); each CTA streams one block_n-wide column panel of W
+    through a ``stages``-deep pipeline, so W is read once whatever the batch (up to block_m rows)."""
+    B = T.dynamic("batch")
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        E: T.Tensor((B, d_mem), dtype),
+        W: T.Tensor((d_mem, d), dtype),
+        Out: T.Tensor((B, d), dtype),
+    ):
+        with T.Kernel(T.ceildiv(d, block_n), T.ceildiv(B, block_m), threads=128) as (bx, by):
+            A_s = T.alloc_shared((block_m, block_k), dtype)
+            W_s = T.alloc_shared((block_k, block_n), dtype)
+            C = T.alloc_fragment((block_m, block_n), f32)
+            T.clear(C)
+            for kk in T.Pipelined(T.ceildiv(d_mem, block_k), num_stages=stages):
+                T.copy(E[by * block_m, kk * block_k], A_s)
+                T.copy(W[kk * block_k, bx * block_n], W_s)
+                T.gemm(A_s, W_s, C)
+            for i, j in T.Parallel(block_m, block_n):
+                if by * block_m + i < B and bx * block_n + j < d:
+                    Out[by * block_m + i, bx * block_n + j] = T.cast(C[i, j], dtype)
+
+    return main
+
+
+@kernel
+def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int):
+    """One decode step per batch row (one CTA per row): the gate of (h, k, v) as in the prefill, n, the
+    dilated causal convolution over the ring cache, y; writes n into the cache slot pos mod L in place."""
+    slots, threads = row_layout(d)
+    nwarps = threads // 32
+    R = taps - 1
+    inv_d = 1.0 / d
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+    B = T.dynamic("batch")
+    LC = T.dynamic("cache_len")
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        Hx: T.Tensor((B, d), dtype),
+        Kp: T.Tensor((B, d), dtype),
+        Vp: T.Tensor((B, d), dtype),
+        w_h: T.Tensor((d,), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        state: T.Tensor((B, LC, d), dtype),
+        pos: T.Tensor((B,), "int32"),
+        Y: T.Tensor((B, d), dtype),
+        eps: T.float32,
+    ):
+        with T.Kernel(B, threads=threads) as bb:
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            red = T.alloc_shared((4, nwarps), f32)
+            tot = T.alloc_local((4,), f32)
+            part = T.alloc_local((4,), f32)
+            xh = T.alloc_local((VEC,), dtype)
+            xk = T.alloc_local((VEC,), dtype)
+            xv = T.alloc_local((VEC,), dtype)
+            wl = T.alloc_local((VEC,), dtype)
+            cw = T.alloc_local((taps * VEC,), dtype)
+            st = T.alloc_local((VEC,), dtype)
+            no = T.alloc_local((VEC,), dtype)
+            yo = T.alloc_local((VEC,), dtype)
+            uu = T.alloc_local((VEC,), f32)
+            p0 = pos[bb]
+            for q in T.unroll(4):
+                part[q] = T.float32(0)
+            for s in T.unroll(slots):
+                c0 = (s * threads + tx) * VEC
+                if c0 < d:
+                    for e in T.vectorized(VEC):
+                        xh[e] = Hx[bb, c0 + e]
+                    for e in T.vectorized(VEC):
+                        xk[e] = Kp[bb, c0 + e]
+                    for e in T.vectorized(VEC):
+                        xv[e] = Vp[bb, c0 + e]
+                    for e in T.vectorized(VEC):
+                        wl[e] = w_h[c0 + e]
+                    for e in T.unroll(VEC):
+                        hv = T.cast(xh[e], f32)
+                        kv = T.cast(xk[e], f32)
+                        vv = T.cast(xv[e], f32)
+                        wh = T.cast(wl[e], f32)
+                        part[0] += hv * hv
+                        part[1] += kv * kv
+                        part[2] += hv * kv * (wh * wh)
+                        part[3] += vv * vv
+            for q in T.unroll(4):
+                part[q] = T.warp_reduce_sum(part[q])
+            if lane == 0:
+                for q in T.unroll(4):
+                    red[q, warp] = part[q]
+            T.sync_threads()
+            for q in T.unroll(4):
+                tot[q] = T.float32(0)
+            for w in T.serial(nwarps):
+                for q in T.unroll(4):
+                    tot[q] += red[q, w]
+            r_h = T.rsqrt(tot[0] * inv_d + eps)
+            r_k = T.rsqrt(tot[1] * inv_d + eps)
+            sc = r_h * r_k * tot[2] * inv_sqrt_d
+            a = T.float32(1) / (T.float32(1) + T.exp(-sc))
+            r_v = T.rsqrt(a * a * (tot[3] * inv_d) + eps)
+            for s in T.unroll(slots):
+                c0 = (s * threads + tx) * VEC
+                if c0 < d:
+                    for e in T.vectorized(VEC):
+                        xv[e] = Vp[bb, c0 + e]
+                    for e in T.vectorized(VEC):
+                        wl[e] = w_v[c0 + e]
+                    for p in T.unroll(taps):
+                        for e in T.vectorized(VEC):
+                            cw[p * VEC + e] = conv_w[p, c0 + e]
+                    for e in T.unroll(VEC):
+                        no[e] = T.cast(a * T.cast(xv[e], f32) * T.cast(wl[e], f32) * r_v, dtype)
+                        uu[e] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
+                    for q in T.unroll(1, taps):
+                        for e in T.vectorized(VEC):
+                            st[e] = state[bb, T.floormod(p0 - q * dilation, LC), c0 + e]
+                        for e in T.unroll(VEC):
+                            uu[e] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(st[e], f32)
+                    for e in T.unroll(VEC):
+                        vh = a * T.cast(xv[e], f32)
+                        yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
+                    for e in T.vectorized(VEC):
+                        Y[bb, c0 + e] = yo[e]
+                    if R > 0:
+                        for e in T.vectorized(VEC):
+                            state[bb, T.floormod(p0, LC), c0 + e] = no[e]
+
+    return main

@@ -1,0 +1,291 @@
+"""Engram GateConv forward and backward (TileOPs ``EngramGateConvFwdOp`` / ``EngramGateConvBwdOp`` contract,
+extended with dilation, any tap count, a prefill->decode conv state and an autograd Function).
+
+Math, per sequence row m and token t (vectors in R^d, float32 arithmetic, T = storage dtype fp16/bf16):
+
+    r_h = (mean_j H_j^2 + eps)^-1/2        r_k = (mean_j k_j^2 + eps)^-1/2     (the mean divides by the true d)
+    s   = r_h r_k sum_j H_j k_j w_h,j^2 / sqrt(d),   alpha = sigmoid(s)        (one rms_w_h for query and key)
+    vhat = alpha * v (float32; saved rounded to T)   r_v = (alpha^2 mean_j v_j^2 + eps)^-1/2
+    n_t = round_T(vhat * w_v * r_v)                  (the normalised value; what the conv and the cache see)
+    u_t = sum_{p<w} conv_w[p] * n_{t-(w-1-p)*dilation}   (n_tau = 0 for tau < 0: causal, dilated, depthwise)
+    Y_t = round_T(SiLU(u_t) + vhat_t)
+
+Forward outputs: Y, vhat (M, T, d) in T; alpha, rrms_h, rrms_k, rrms_v (M, T) float32; conv_state
+(M, dilation*(w-1), d) in T: the ring cache of n, slot (tau mod len) holding token tau of the last
+dilation*(w-1) tokens (zeros for tau < 0), ready for ``decode.engram_decode_step`` at ``cache_pos = T``.
+
+Backward (closed form of the above, rounding treated as identity; G = dY):
+    g_u = G * sigma(u) * (1 + u (1 - sigma(u)))        g_n,t = sum_p conv_w[p] * g_u,{t+(w-1-p)*dilation}
+    B = <w_v g_n, v>, C = <v, v>, D = <G, v>, P = <H k, w_h^2>          (one CTA-wide reduction per token)
+    c1 = r_v^3 alpha B / d;  g_vhat = r_v w_v g_n - c1 vhat + G;  dv = alpha g_vhat
+    g_alpha = r_v B - c1 alpha C + D;  c = g_alpha alpha (1 - alpha) r_h r_k / sqrt(d)
+    dH = c (w_h^2 k - r_h^2 P/d H);  dk = c (w_h^2 H - r_k^2 P/d k)
+    drms_w_h = 2 w_h sum_{m,t} c H k;  drms_w_v = sum g_n vhat r_v;  dconv_w[p] = sum g_u,t n_{t-(w-1-p)*dilation}
+vhat is recomputed from v and alpha (not read). Weight gradients are float32, reduced from per-CTA partials in
+a fixed order: deterministic, no atomics.
+
+Shapes and errors: H, k, v (M, T, d) of one dtype (fp16/bf16 on CUDA; CPU also float32/float64, which run
+the reference); d % 8 == 0 on CUDA (16-byte vectors); weights in H's dtype; conv_w (w, d) with w >= 1;
+dilation >= 1. Violations raise TypeError (dtype) or ValueError (shape, device, parameters) naming the op
+and the argument. M*T == 0 returns empty outputs (and an all-zero state) without a launch.
+
+Kernels (``_gate_conv_kernels``): one CTA walks 64 tokens of one residue chain (t mod dilation) of one
+row with whole d-rows per CTA and 16-byte vectors; the conv history lives in shared memory per thread column.
+Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch when d > 4096) + fixed-order sums.
+Runtime (no recompile): M, T, eps. Compile-time: dtype, d, w, dilation.
+
+Roofline bytes (e = element size, N = M*T tokens; the benchmark's ``bytes``):
+    forward  = N*d*e*(3 reads H,k,v + 2 writes Y,vhat) + 16*N (4 float32 stats) + 3*d*e + w*d*e
+    backward = N*d*e*(4 reads dY,H,k,v + 3 writes dH,dk,dv) + 16*N + (2 + w)*d*(e + 4)
+Halo re-reads (w-1 chain tokens per 64) and the per-CTA partials are not counted.
+"""
+
+import torch
+
+from tk_core import checks
+from tk_core.library import device_op
+
+from . import reference
+from ._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
+
+CHUNK = 64  # chain tokens per CTA
+_TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def _num_parts(M: int, T: int, dilation: int) -> int:
+    return M * dilation * (-(-T // (dilation * CHUNK)))
+
+
+def _check_params(op: str, taps: int, dilation: int, eps: float) -> None:
+    checks.check_positive_int(op, "conv_kernel_size", taps)
+    checks.check_positive_int(op, "dilation", dilation)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
+        checks.fail(op, "eps", "a float >= 0", repr(eps))
+
+
+def _check_inputs(op: str, names, seqs, weights, conv_w):
+    """Checks (M, T, d) activations of one dtype/device and the (d,) and (w, d) weights; returns (M, T, d)."""
+    x0 = seqs[0]
+    checks.check_tensor(op, names[0], x0)
+    allowed = tuple(_TL_DTYPES) if x0.is_cuda else _CPU_DTYPES
+    for name, x in zip(names, seqs):
+        checks.check_dtype(op, name, x, allowed)
+        checks.check_ndim(op, name, x, 3)
+    M, T, d = x0.shape
+    for name, x in zip(names, seqs):
+        if x.dtype != x0.dtype:
+            checks.fail(op, name, f"of dtype {x0.dtype} like {names[0]}", x.dtype, TypeError)
+        checks.check_shape(op, name, x, (M, T, d))
+        checks.check_same_device(op, name, x, x0.device)
+    for name, x in weights:
+        checks.check_dtype(op, name, x, (x0.dtype,))
+        checks.check_shape(op, name, x, (d,))
+        checks.check_same_device(op, name, x, x0.device)
+    checks.check_dtype(op, "conv_w", conv_w, (x0.dtype,))
+    checks.check_ndim(op, "conv_w", conv_w, 2)
+    checks.check_shape(op, "conv_w", conv_w, (None, d))
+    checks.check_same_device(op, "conv_w", conv_w, x0.device)
+    if conv_w.shape[0] < 1:
+        checks.fail(op, "conv_w", "of shape (w >= 1, d)", f"shape {tuple(conv_w.shape)}")
+    if x0.is_cuda:
+        checks.check_divisible(op, "d (the last dimension of H)", d, 8)
+    return M, T, d
+
+
+# ----------------------------------------------------------------------------------------------- forward
+@device_op(
+    "tk_engram::gate_conv_fwd",
+    mutates_args=("y", "vhat", "alpha", "rrms_h", "rrms_k", "rrms_v", "state"),
+)
+def _gate_conv_fwd_dev(
+    H: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rms_w_h: torch.Tensor, rms_w_v: torch.Tensor,
+    conv_w: torch.Tensor, y: torch.Tensor, vhat: torch.Tensor, alpha: torch.Tensor, rrms_h: torch.Tensor,
+    rrms_k: torch.Tensor, rrms_v: torch.Tensor, state: torch.Tensor, dilation: int, eps: float,
+) -> None:
+    kern = gate_conv_fwd_kernel.get(
+        H.device, dtype=_TL_DTYPES[H.dtype], d=H.shape[2], taps=conv_w.shape[0], dilation=dilation, chunk=CHUNK
+    )
+    kern(H, k, v, rms_w_h, rms_w_v, conv_w, y, vhat, alpha, rrms_h, rrms_k, rrms_v, state, eps)
+
+
+def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1, eps: float = 1e-6):
+    """GateConv forward (see the module docstring for the math).
+
+    Args: H, k, v (M, T, d) fp16/bf16 (CPU: also fp32/fp64); rms_w_h, rms_w_v (d,); conv_w (w, d), tap p
+    looking back (w-1-p)*dilation tokens; dilation >= 1; eps >= 0.
+    Returns (Y, vhat, alpha, rrms_h, rrms_k, rrms_v, conv_state) as described in the module docstring.
+    CUDA tensors run the TileLang kernel, CPU tensors the reference.
+    """
+    op = "engram_gate_conv_fwd"
+    _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, eps)
+    M, T, d = _check_inputs(op, ("H", "k", "v"), (H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w)
+    if not H.is_cuda:
+        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
+    taps = conv_w.shape[0]
+    hist = dilation * (taps - 1)
+    dev = H.device
+    y = torch.empty((M, T, d), dtype=H.dtype, device=dev)
+    vhat = torch.empty_like(y)
+    stats = [torch.empty((M, T), dtype=torch.float32, device=dev) for _ in range(4)]
+    if M * T == 0:
+        return y, vhat, stats[0], stats[1], stats[2], stats[3], torch.zeros((M, hist, d), dtype=H.dtype, device=dev)
+    state = torch.empty((M, max(hist, 1), d), dtype=H.dtype, device=dev)
+    _gate_conv_fwd_dev(
+        _aligned(H), _aligned(k), _aligned(v), _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w),
+        y, vhat, stats[0], stats[1], stats[2], stats[3], state, dilation, float(eps),
+    )
+    return y, vhat, stats[0], stats[1], stats[2], stats[3], state[:, :hist]
+
+
+# ---------------------------------------------------------------------------------------------- backward
+@device_op("tk_engram::gate_conv_bwd", mutates_args=("dH", "dk", "dv", "part", "dpart"))
+def _gate_conv_bwd_dev(
+    dY: torch.Tensor, H: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rms_w_h: torch.Tensor,
+    rms_w_v: torch.Tensor, conv_w: torch.Tensor, alpha: torch.Tensor, rrms_h: torch.Tensor,
+    rrms_k: torch.Tensor, rrms_v: torch.Tensor, dH: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+    part: torch.Tensor, dpart: torch.Tensor, dilation: int,
+) -> None:
+    d, taps = H.shape[2], conv_w.shape[0]
+    fused = fuse_dconv(d)
+    params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation, chunk=CHUNK)
+    gate_conv_bwd_kernel.get(H.device, with_dconv=fused, **params)(
+        dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dH, dk, dv, part
+    )
+    if not fused:
+        gate_conv_dconv_kernel.get(H.device, **params)(dY, v, rms_w_v, conv_w, alpha, rrms_v, dpart)
+
+
+def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, *,
+                         dilation: int = 1):
+    """GateConv backward from the forward's saved statistics (module docstring for the formulas).
+
+    Args: dY, H, k, v (M, T, d); the weights as in the forward; alpha, rrms_h, rrms_k, rrms_v (M, T) float32
+    (float64 with float64 inputs on CPU). Returns (dH, dk, dv) in H's dtype and (drms_w_h, drms_w_v, dconv_w)
+    in float32, deterministic (fixed-order reductions). CUDA tensors run the kernel, CPU the reference.
+    """
+    op = "engram_gate_conv_bwd"
+    _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, 0.0)
+    M, T, d = _check_inputs(
+        op, ("dY", "H", "k", "v"), (dY, H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w
+    )
+    sdt = (torch.float32, torch.float64) if not H.is_cuda else (torch.float32,)
+    for name, x in (("alpha", alpha), ("rrms_h", rrms_h), ("rrms_k", rrms_k), ("rrms_v", rrms_v)):
+        checks.check_dtype(op, name, x, sdt)
+        checks.check_shape(op, name, x, (M, T))
+        checks.check_same_device(op, name, x, H.device)
+    if not H.is_cuda:
+        return reference.gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k,
+                                           rrms_v, dilation)
+    taps = conv_w.shape[0]
+    dev = H.device
+    dH = torch.empty((M, T, d), dtype=H.dtype, device=dev)
+    dk = torch.empty_like(dH)
+    dv = torch.empty_like(dH)
+    if M * T == 0:
+        z = torch.zeros((2 + taps, d), dtype=torch.float32, device=dev)
+        return dH, dk, dv, z[0], z[1], z[2:]
+    nparts = _num_parts(M, T, dilation)
+    fused = fuse_dconv(d)
+    part = torch.empty((nparts, 2 + taps if fused else 2, d), dtype=torch.float32, device=dev)
+    dpart = torch.empty((nparts, taps, d) if not fused else (1, 1, 1), dtype=torch.float32, device=dev)
+    a = [_aligned(x) for x in (dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v)]
+    _gate_conv_bwd_dev(*a, dH, dk, dv, part, dpart, dilation)
+    sums = part.sum(0)
+    drms_w_h = 2.0 * rms_w_h.float() * sums[0]
+    dconv = sums[2:] if fused else dpart.sum(0)
+    return dH, dk, dv, drms_w_h, sums[1], dconv
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+class EngramGateConvFn(torch.autograd.Function):
+    """Y = GateConv(H, k, v; rms_w_h, rms_w_v, conv_w) with the fused backward. Weight gradients are
+    returned in the weights' dtype (accumulated in float32)."""
+
+    @staticmethod
+    def forward(ctx, H, k, v, rms_w_h, rms_w_v, conv_w, dilation: int = 1, eps: float = 1e-6):
+        y, _vhat, alpha, rh, rk, rv, _state = engram_gate_conv_fwd(
+            H, k, v, rms_w_h, rms_w_v, conv_w, dilation=dilation, eps=eps
+        )
+        ctx.save_for_backward(H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rh, rk, rv)
+        ctx.dilation = dilation
+        return y
+
+    @staticmethod
+    def backward(ctx, dY):
+        H, k, v, wh, wv, cw, alpha, rh, rk, rv = ctx.saved_tensors
+        dH, dk, dv, dwh, dwv, dcw = engram_gate_conv_bwd(
+            dY.contiguous(), H, k, v, wh, wv, cw, alpha, rh, rk, rv, dilation=ctx.dilation
+        )
+        return dH, dk, dv, dwh.to(wh.dtype), dwv.to(wv.dtype), dcw.to(cw.dtype), None, None
+
+
+def engram_gate_conv(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1, eps: float = 1e-6):
+    """Differentiable GateConv: returns Y (M, T, d); gradients flow to all six tensors."""
+    return EngramGateConvFn.apply(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, eps)
+
+
+# ---------------------------------------------------------------------------------------------- op objects
+def _resolve_target(op: str, target, x: torch.Tensor) -> bool:
+    """True to run the TileLang kernel, False for the reference. None: decided by the input's device."""
+    if target is None:
+        return x.is_cuda
+    if target == "tilelang":
+        if not x.is_cuda:
+            checks.fail(op, "inputs", "CUDA tensors for target='tilelang'", f"device {x.device}")
+        return True
+    return False
+
+
+def _check_target(op: str, target) -> None:
+    if target is not None:
+        checks.check_one_of(op, "target", target, (None, "tilelang", "torch"))
+
+
+class EngramGateConvFwdOp:
+    """TileOPs-style op: construct once with the hyperparameters, call with tensors.
+
+    ``EngramGateConvFwdOp(conv_kernel_size=4, dilation=1, eps=1e-6, target=None)(H, k, v, rms_w_h, rms_w_v,
+    conv_w) -> (Y, vhat, alpha, rrms_h, rrms_k, rrms_v, conv_state)``. target None runs the kernel for CUDA
+    inputs and the reference otherwise; 'tilelang' requires CUDA inputs; 'torch' always runs the reference.
+    """
+
+    def __init__(self, conv_kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6, *, target=None):
+        op = type(self).__name__
+        _check_params(op, conv_kernel_size, dilation, eps)
+        _check_target(op, target)
+        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, float(eps), target
+
+    def __call__(self, H, k, v, rms_w_h, rms_w_v, conv_w):
+        op = type(self).__name__
+        if isinstance(conv_w, torch.Tensor) and conv_w.shape[0] != self.conv_kernel_size:
+            checks.fail(op, "conv_w", f"of shape ({self.conv_kernel_size}, d)", f"shape {tuple(conv_w.shape)}")
+        if _resolve_target(op, self.target, H) or self.target is None:
+            return engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, dilation=self.dilation, eps=self.eps)
+        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, self.dilation, self.eps)
+
+
+class EngramGateConvBwdOp:
+    """``EngramGateConvBwdOp(conv_kernel_size=4, dilation=1, eps=1e-6, target=None)(dY, H, k, v, rms_w_h,
+    rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v) -> (dH, dk, dv, drms_w_h, drms_w_v, dconv_w)``.
+    eps is accepted for symmetry and unused (the saved statistics carry it)."""
+
+    def __init__(self, conv_kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6, *, target=None):
+        op = type(self).__name__
+        _check_params(op, conv_kernel_size, dilation, eps)
+        _check_target(op, target)
+        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, float(eps), target
+
+    def __call__(self, dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v):
+        op = type(self).__name__
+        if isinstance(conv_w, torch.Tensor) and conv_w.shape[0] != self.conv_kernel_size:
+            checks.fail(op, "conv_w", f"of shape ({self.conv_kernel_size}, d)", f"shape {tuple(conv_w.shape)}")
+        args = (dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v)
+        if _resolve_target(op, self.target, H) or self.target is None:
+            return engram_gate_conv_bwd(*args, dilation=self.dilation)
+        return reference.gate_conv_bwd_ref(*args, self.dilation)
