@@ -229,7 +229,9 @@ def compute_scales(amax: torch.Tensor, fmt_max: float, clamp_min: float, round_s
     ``k = ceil(log2(A / Q))``, taken from the float's bits as ``((bits - 1) >> 23) - 126``.
     """
     a = torch.clamp_min(amax.float(), clamp_min)
-    s0 = a / fmt_max
+    # A tensor divisor: on CUDA ``tensor / python_scalar`` is computed as ``tensor * fl(1/scalar)`` (torch's
+    # div_true "CPU scalar" optimization), which is not the correctly rounded division the kernels do.
+    s0 = a / torch.full_like(a, fmt_max)
     if not round_sf:
         # A tensor numerator: ``scalar / tensor`` in torch is ``reciprocal(tensor) * scalar``, rounded twice.
         return s0, torch.full_like(a, fmt_max) / a
