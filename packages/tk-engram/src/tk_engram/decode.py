@@ -97,7 +97,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
                                          dilation, float(eps))
     checks.check_divisible(op, "d (the last dimension of h_t)", d, 8)
     checks.check_divisible(op, "d_mem (the last dimension of e_t)", d_mem, 8)
-    if not conv_state.is_contiguous() or conv_state.data_ptr() % 16:
+    if not conv_state.is_contiguous() or (not torch.compiler.is_compiling() and conv_state.data_ptr() % 16):
         checks.fail(op, "conv_state", "contiguous and 16-byte aligned (updated in place)",
                     f"strides {tuple(conv_state.stride())}")
     y = torch.empty((B, d), dtype=h_t.dtype, device=h_t.device)

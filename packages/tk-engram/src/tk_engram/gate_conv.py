@@ -54,7 +54,10 @@ _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x, contiguous and 16-byte aligned (the kernels use 16-byte vectors); copies only when needed."""
     x = x.contiguous()
+    if torch.compiler.is_compiling():
+        return x  # fake tensors have no address; the compiled graph passes fresh, aligned buffers
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
 

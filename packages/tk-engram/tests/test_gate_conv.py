@@ -1,0 +1,451 @@
+"""GateConv forward/backward, the autograd Function, the decode step and the op objects: cpu, compile and gpu
+tiers (see gate_conv.py and decode.py for the math)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tk_core.jit import ARCHS
+from tk_core.testing import assert_equal, calc_diff
+from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes
+from tk_engram import (
+    EngramDecodeFwdOp,
+    EngramGateConvBwdOp,
+    EngramGateConvFn,
+    EngramGateConvFwdOp,
+    engram_decode_step,
+    engram_gate_conv,
+    engram_gate_conv_bwd,
+    engram_gate_conv_fwd,
+    init_decode_state,
+    reference,
+)
+from tk_engram import _gate_conv_kernels as K
+
+
+def _inputs(M, T, d, taps, dtype, device="cpu", scale=1.0):
+    g = lambda *s: torch.randn(*s, dtype=torch.float32, device=device)  # noqa: E731
+    H = g(M, T, d).to(dtype)
+    k = g(M, T, d).to(dtype)
+    v = g(M, T, d).to(dtype)
+    wh = (1 + 0.3 * g(d)).to(dtype)
+    wv = (1 + 0.3 * g(d)).to(dtype)
+    cw = (0.5 * g(taps, d)).to(dtype)
+    return H, k, v, wh, wv, cw
+
+
+def _independent_fwd64(H, k, v, wh, wv, cw, dilation, eps):
+    """float64 GateConv written with F.rms_norm-style math and torch's depthwise conv1d (no rounding)."""
+    H, k, v, wh, wv, cw = (x.double() for x in (H, k, v, wh, wv, cw))
+    d = H.shape[-1]
+    norm = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    alpha = torch.sigmoid((norm(H, wh) * norm(k, wh)).sum(-1, keepdim=True) / math.sqrt(d))
+    vh = alpha * v
+    n = norm(vh, wv)
+    taps = cw.shape[0]
+    x = F.pad(n.transpose(1, 2), ((taps - 1) * dilation, 0))
+    u = F.conv1d(x, cw.t().unsqueeze(1), dilation=dilation, groups=d).transpose(1, 2)
+    return F.silu(u) + vh, n
+
+
+# ------------------------------------------------------------------------------------------------ cpu tier
+@pytest.mark.parametrize("taps,dilation", [(4, 1), (4, 3), (3, 2), (1, 1)])
+def test_fwd_reference_matches_float64_math(taps, dilation):
+    M, T, d = 2, 13, 24
+    x = _inputs(M, T, d, taps, torch.float64)
+    Y, vhat, alpha, rh, rk, rv, st = reference.gate_conv_fwd_ref(*x, dilation, 1e-6)
+    Y64, n64 = _independent_fwd64(*x, dilation, 1e-6)
+    torch.testing.assert_close(Y, Y64, rtol=1e-12, atol=1e-12)
+    hist = dilation * (taps - 1)
+    assert st.shape == (M, hist, d)
+    for tau in range(T - hist, T):  # ring layout: slot tau mod hist holds token tau, zeros before 0
+        want = n64[:, tau] if tau >= 0 else torch.zeros_like(n64[:, 0])
+        torch.testing.assert_close(st[:, tau % hist], want, rtol=1e-12, atol=1e-12)
+
+
+def test_fwd_reference_short_sequence_state_zeros():
+    x = _inputs(1, 2, 16, 4, torch.float64)
+    st = reference.gate_conv_fwd_ref(*x, 3, 1e-6)[-1]  # hist = 9 > T = 2
+    assert st.shape == (1, 9, 16)
+    nz = [s for s in range(9) if st[0, s].abs().sum() > 0]
+    assert nz == [0, 1]  # tokens 0 and 1 at slots 0 and 1
+
+
+@pytest.mark.parametrize("taps,dilation", [(4, 1), (3, 2)])
+def test_bwd_reference_matches_autograd_float64(taps, dilation):
+    x = _inputs(2, 11, 16, taps, torch.float64)
+    out = reference.gate_conv_fwd_ref(*x, dilation, 1e-6)
+    leaves = [t.clone().requires_grad_() for t in x]
+    Y = reference.gate_conv_fwd_ref(*leaves, dilation, 1e-6)[0]
+    dY = torch.randn_like(Y)
+    Y.backward(dY)
+    got = reference.gate_conv_bwd_ref(dY, *x, *out[2:6], dilation)
+    for g, leaf in zip(got, leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck_gate_conv_fn_float64():
+    x = [t.requires_grad_() for t in _inputs(2, 7, 8, 3, torch.float64)]
+    assert torch.autograd.gradcheck(lambda *a: EngramGateConvFn.apply(*a, 2, 1e-6), x, eps=1e-6, atol=1e-6)
+
+
+def test_autograd_function_bf16_cpu_matches_float64():
+    x64 = _inputs(1, 9, 16, 4, torch.float64)
+    xb = [t.to(torch.bfloat16).requires_grad_() for t in x64]
+    Y = engram_gate_conv(*xb, dilation=1)
+    dY = torch.randn_like(Y)
+    Y.backward(dY)
+    l64 = [t.to(torch.bfloat16).double().requires_grad_() for t in x64]
+    Y64 = reference.gate_conv_fwd_ref(*l64, 1, 1e-6)[0]
+    Y64.backward(dY.double())
+    assert calc_diff(Y, Y64) < 1e-4
+    for a, b in zip(xb, l64):
+        assert a.grad.dtype == torch.bfloat16
+        assert calc_diff(a.grad, b.grad) < 1e-3
+
+
+@pytest.mark.parametrize("taps,dilation", [(4, 1), (4, 3)])
+def test_prefill_then_decode_equals_full_prefill_cpu(taps, dilation):
+    M, T, N, d, d_mem = 2, 5, 12, 16, 24
+    dt = torch.float64
+    E = torch.randn(M, T + N, d_mem, dtype=dt)
+    WK, WV = 0.2 * torch.randn(d_mem, d, dtype=dt), 0.2 * torch.randn(d_mem, d, dtype=dt)
+    H = torch.randn(M, T + N, d, dtype=dt)
+    _, _, _, wh, wv, cw = _inputs(1, 1, d, taps, dt)
+    k, v = E @ WK, E @ WV
+    fwd = EngramGateConvFwdOp(taps, dilation)
+    Y_all, *_, st_all = fwd(H, k, v, wh, wv, cw)
+    Y_pre, *_, state = fwd(H[:, :T], k[:, :T], v[:, :T], wh, wv, cw)
+    torch.testing.assert_close(Y_pre, Y_all[:, :T], rtol=1e-12, atol=1e-12)
+    dec = EngramDecodeFwdOp(taps, dilation)
+    state = state.clone()
+    pos = torch.full((M,), T, dtype=torch.int32)
+    for i in range(T, T + N):
+        y = dec(E[:, i], H[:, i], state, pos, WK, WV, wh, wv, cw)
+        torch.testing.assert_close(y, Y_all[:, i], rtol=1e-10, atol=1e-12)
+    assert pos.tolist() == [T + N] * M
+    torch.testing.assert_close(state, st_all, rtol=1e-10, atol=1e-12)
+
+
+def test_decode_from_empty_state_equals_prefill_cpu():
+    M, N, d, d_mem, taps, dil = 1, 8, 16, 8, 4, 2
+    dt = torch.float64
+    E, H = torch.randn(M, N, d_mem, dtype=dt), torch.randn(M, N, d, dtype=dt)
+    WK, WV = torch.randn(d_mem, d, dtype=dt), torch.randn(d_mem, d, dtype=dt)
+    _, _, _, wh, wv, cw = _inputs(1, 1, d, taps, dt)
+    Y_all = engram_gate_conv_fwd(H, E @ WK, E @ WV, wh, wv, cw, dilation=dil)[0]
+    state, pos = init_decode_state(M, d, taps, dil, dtype=dt)
+    for i in range(N):
+        y = engram_decode_step(E[:, i], H[:, i], state, pos, WK, WV, wh, wv, cw, dilation=dil)
+        pos += 1
+        torch.testing.assert_close(y, Y_all[:, i], rtol=1e-10, atol=1e-12)
+
+
+def test_public_cpu_bf16_shapes_and_dtypes():
+    x = _inputs(2, 6, 16, 4, torch.bfloat16)
+    Y, vhat, a, rh, rk, rv, st = engram_gate_conv_fwd(*x, dilation=2)
+    assert Y.dtype == vhat.dtype == st.dtype == torch.bfloat16 and a.dtype == torch.float32
+    assert Y.shape == (2, 6, 16) and a.shape == (2, 6) and st.shape == (2, 6, 16)
+    dY = torch.randn_like(Y)
+    g = engram_gate_conv_bwd(dY, *x, a, rh, rk, rv, dilation=2)
+    assert [t.dtype for t in g] == [torch.bfloat16] * 3 + [torch.float32] * 3
+    assert g[5].shape == (4, 16)
+    bwd = EngramGateConvBwdOp(4, 2, target="torch")
+    for p, q in zip(bwd(dY, *x, a, rh, rk, rv), g):
+        assert_equal(p, q)
+
+
+def test_empty_tokens_cpu():
+    x = _inputs(2, 0, 16, 4, torch.bfloat16)
+    Y, vhat, a, rh, rk, rv, st = engram_gate_conv_fwd(*x)
+    assert Y.shape == (2, 0, 16) and st.shape == (2, 3, 16) and not st.any()
+
+
+def test_validation_errors():
+    x = list(_inputs(1, 4, 16, 4, torch.bfloat16))
+    with pytest.raises(TypeError, match="engram_gate_conv_fwd: k must be of dtype"):
+        engram_gate_conv_fwd(x[0], x[1].half(), *x[2:])
+    with pytest.raises(ValueError, match="engram_gate_conv_fwd: v must be of shape"):
+        engram_gate_conv_fwd(x[0], x[1], x[2][:, :3], *x[3:])
+    with pytest.raises(ValueError, match="engram_gate_conv_fwd: rms_w_v must be of shape"):
+        engram_gate_conv_fwd(*x[:4], x[4][:8], x[5])
+    with pytest.raises(ValueError, match="engram_gate_conv_fwd: dilation must be a positive int"):
+        engram_gate_conv_fwd(*x, dilation=0)
+    with pytest.raises(ValueError, match="engram_gate_conv_fwd: H must be 3-D"):
+        engram_gate_conv_fwd(x[0][0], *x[1:])
+    with pytest.raises(TypeError, match="engram_gate_conv_fwd: H must be a torch.Tensor"):
+        engram_gate_conv_fwd(None, *x[1:])
+    with pytest.raises(ValueError, match="EngramGateConvFwdOp: target must be one of"):
+        EngramGateConvFwdOp(target="cuda")
+    with pytest.raises(ValueError, match="EngramGateConvFwdOp: conv_w must be of shape \\(3, d\\)"):
+        EngramGateConvFwdOp(3)(*x)
+    with pytest.raises(ValueError, match="EngramGateConvFwdOp: inputs must be CUDA tensors"):
+        EngramGateConvFwdOp(target="tilelang")(*x)
+    a = torch.zeros(1, 4)
+    with pytest.raises(ValueError, match="engram_gate_conv_bwd: alpha must be of shape"):
+        engram_gate_conv_bwd(x[0], *x, a[:, :2], a, a, a)
+    with pytest.raises(TypeError, match="engram_gate_conv_bwd: rrms_v must be of dtype"):
+        engram_gate_conv_bwd(x[0], *x, a, a, a, a.half())
+
+
+def test_decode_validation_errors():
+    d, d_mem = 16, 8
+    x = _inputs(1, 1, d, 4, torch.bfloat16)
+    e, h = torch.randn(2, d_mem).bfloat16(), torch.randn(2, d).bfloat16()
+    W = torch.randn(d_mem, d).bfloat16()
+    st, pos = init_decode_state(2, d, 4, 2)
+    with pytest.raises(ValueError, match="engram_decode_step: conv_state must be of length >= dilation\\*\\(w-1\\) = 9"):
+        engram_decode_step(e, h, st, pos, W, W, *x[3:], dilation=3)
+    with pytest.raises(TypeError, match="engram_decode_step: cache_pos must be of dtype"):
+        engram_decode_step(e, h, st, pos.long(), W, W, *x[3:], dilation=2)
+    with pytest.raises(ValueError, match="engram_decode_step: W_V must be of shape"):
+        engram_decode_step(e, h, st, pos, W, W[:4], *x[3:], dilation=2)
+    with pytest.raises(ValueError, match="EngramDecodeFwdOp: eps must be a float >= 0"):
+        EngramDecodeFwdOp(eps=-1.0)
+
+
+def test_row_layout():
+    for d in (8, 200, 264, 4096, 7168, 8192, 12288):
+        slots, threads = K.row_layout(d)
+        assert threads % 32 == 0 and threads <= 1024 and slots * threads * 8 >= d
+    assert K.row_layout(4096) == (1, 512) and K.row_layout(7168) == (1, 896)
+    assert K.fuse_dconv(4096) and not K.fuse_dconv(7168)
+
+
+# -------------------------------------------------------------------------------------------- compile tier
+GC_VARIANTS = [  # (dtype, d, taps, dilation): tests (d=200) and benchmarks (4096, 7168)
+    ("bfloat16", 4096, 4, 1),
+    ("bfloat16", 7168, 4, 1),
+    ("bfloat16", 4096, 4, 3),
+    ("float16", 200, 3, 2),
+]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,d,taps,dilation", GC_VARIANTS)
+def test_compile_gate_conv(arch, dtype, d, taps, dilation):
+    p = dict(dtype=dtype, d=d, taps=taps, dilation=dilation, chunk=64)
+    src = assert_compiles(K.gate_conv_fwd_kernel, arch, **p)
+    assert "uint4" in src and "__expf" not in src and "__fdividef" not in src
+    if K.fuse_dconv(d):
+        assert_compiles(K.gate_conv_bwd_kernel, arch, with_dconv=True, **p)
+    else:
+        # d = 7168: 896 threads cap ptxas at 72 registers; it spills ~20 bytes (L1-resident) without dconv.
+        K.gate_conv_bwd_kernel.compile(arch, with_dconv=False, **p)
+        assert dynamic_smem_bytes(K.gate_conv_bwd_kernel, arch, with_dconv=False, **p) <= MAX_SMEM_PER_BLOCK
+        assert_compiles(K.gate_conv_dconv_kernel, arch, **p)
+
+
+DECODE_VARIANTS = [("bfloat16", 2048, 4096, 4, 1), ("bfloat16", 2048, 7168, 4, 3), ("float16", 64, 200, 4, 2)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,d_mem,d,taps,dilation", DECODE_VARIANTS)
+def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
+    src = assert_compiles(K.decode_proj_kernel, arch, dtype=dtype, d_mem=d_mem, d=d)
+    if arch == "sm_90a":
+        assert "wgmma" in src
+    assert_compiles(K.decode_step_kernel, arch, dtype=dtype, d=d, taps=taps, dilation=dilation)
+
+
+# ------------------------------------------------------------------------------------------------ gpu tier
+def _poison():
+    """Fills freed allocator blocks with NaN so that outputs allocated next start poisoned."""
+    x = torch.full((1 << 26,), float("nan"), device="cuda")
+    del x
+
+
+def _tol(dtype):
+    return dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=4e-3, atol=4e-3)
+
+
+GPU_CASES = [  # (M, T, d, taps, dilation, dtype)
+    (2, 67, 200, 3, 2, torch.float16),
+    (3, 130, 4096, 4, 1, torch.bfloat16),
+    (1, 201, 7168, 4, 3, torch.bfloat16),
+    (2, 5, 4096, 4, 3, torch.bfloat16),  # T < dilation*(w-1): zero history, partial state
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES)
+def test_gpu_fwd_matches_reference(M, T, d, taps, dilation, dtype):
+    x = _inputs(M, T, d, taps, dtype, "cuda")
+    ref = reference.gate_conv_fwd_ref(*x, dilation, 1e-6)
+    _poison()
+    out = engram_gate_conv_fwd(*x, dilation=dilation)
+    for name, o, r in zip(("Y", "vhat", "alpha", "rrms_h", "rrms_k", "rrms_v", "state"), out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype, name
+        assert not o.float().isnan().any(), name
+        tol = dict(rtol=1e-4, atol=1e-5) if o.dtype == torch.float32 else _tol(dtype)
+        torch.testing.assert_close(o.float(), r.float(), **tol, msg=name)
+        assert calc_diff(o, r) < 1e-5, name
+    again = engram_gate_conv_fwd(*x, dilation=dilation)
+    for o, p in zip(out, again):
+        assert_equal(o, p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES)
+def test_gpu_bwd_matches_reference_and_is_deterministic(M, T, d, taps, dilation, dtype):
+    x = _inputs(M, T, d, taps, dtype, "cuda")
+    stats = engram_gate_conv_fwd(*x, dilation=dilation)[2:6]
+    dY = torch.randn(M, T, d, device="cuda").to(dtype)
+    ref = reference.gate_conv_bwd_ref(dY, *x, *stats, dilation)
+    _poison()
+    out = engram_gate_conv_bwd(dY, *x, *stats, dilation=dilation)
+    for name, o, r in zip(("dH", "dk", "dv", "drms_w_h", "drms_w_v", "dconv_w"), out, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype, name
+        assert not o.float().isnan().any(), name
+        assert calc_diff(o, r) < 1e-4, name
+    again = engram_gate_conv_bwd(dY, *x, *stats, dilation=dilation)
+    for o, p in zip(out, again):
+        assert_equal(o, p)
+
+
+@pytest.mark.gpu
+def test_gpu_empty_and_strided():
+    x = _inputs(2, 0, 200, 4, torch.bfloat16, "cuda")
+    out = engram_gate_conv_fwd(*x)
+    assert out[0].shape == (2, 0, 200) and not out[-1].any()
+    g = engram_gate_conv_bwd(out[0], *x, *out[2:6])
+    assert g[0].shape == (2, 0, 200) and not g[5].any()
+    big = [torch.randn(2, 40, 416, device="cuda").bfloat16() for _ in range(3)]
+    H, k, v = (t[:, ::2, 8:208] for t in big)  # strided, offset rows
+    _, _, _, wh, wv, cw = _inputs(1, 1, 200, 4, torch.bfloat16, "cuda")
+    got = engram_gate_conv_fwd(H, k, v, wh, wv, cw)
+    ref = reference.gate_conv_fwd_ref(H, k, v, wh, wv, cw, 1, 1e-6)
+    assert calc_diff(got[0], ref[0]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_autograd_chain_matches_float64():
+    x = _inputs(2, 50, 200, 4, torch.bfloat16, "cuda")
+    leaves = [t.clone().requires_grad_() for t in x]
+    Y = engram_gate_conv(*leaves, dilation=2)
+    dY = torch.randn_like(Y)
+    Y.backward(dY)
+    l64 = [t.double().cpu().requires_grad_() for t in x]
+    Y64 = reference.gate_conv_fwd_ref(*l64, 2, 1e-6)[0]
+    Y64.backward(dY.double().cpu())
+    assert calc_diff(Y.cpu(), Y64) < 1e-4
+    for a, b in zip(leaves, l64):
+        assert calc_diff(a.grad.cpu(), b.grad) < 2e-3
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_compile_and_cuda_graph():
+    from tk_engram import gate_conv
+
+    x = _inputs(2, 33, 200, 4, torch.bfloat16, "cuda")
+    M, T, d = 2, 33, 200
+    outs = [torch.empty(M, T, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    stats = [torch.empty(M, T, device="cuda") for _ in range(4)]
+    state = torch.empty(M, 3, d, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(gate_conv._gate_conv_fwd_dev.op, (*x, *outs, *stats, state, 1, 1e-6))
+    dY = torch.randn(M, T, d, device="cuda").bfloat16()
+    fw = engram_gate_conv_fwd(*x)
+    grads = [torch.empty(M, T, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    part = torch.empty(gate_conv._num_parts(M, T, 1), 6, d, device="cuda")
+    torch.library.opcheck(gate_conv._gate_conv_bwd_dev.op,
+                          (dY, *x, *fw[2:6], *grads, part, torch.empty(1, 1, 1, device="cuda"), 1))
+    eager = engram_gate_conv_fwd(*x)
+    compiled = torch.compile(engram_gate_conv_fwd, fullgraph=True)(*x)
+    for a, b in zip(eager, compiled):
+        assert_equal(a, b)
+    cb = torch.compile(engram_gate_conv_bwd, fullgraph=True)(dY, *x, *fw[2:6])
+    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), cb):
+        assert_equal(a, b)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = engram_gate_conv_fwd(*x)
+        g_bwd = engram_gate_conv_bwd(dY, *x, *g_out[2:6])
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, g_out):
+        assert_equal(a, b)
+    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), g_bwd):
+        assert_equal(a, b)
+
+
+DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.bfloat16),
+                (70, 512, 7168, 4, 3, torch.bfloat16)]
+
+
+def _decode_inputs(B, d_mem, d, taps, dtype):
+    e = torch.randn(B, d_mem, device="cuda").to(dtype)
+    h = torch.randn(B, d, device="cuda").to(dtype)
+    WK = (torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dtype)
+    WV = (torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dtype)
+    _, _, _, wh, wv, cw = _inputs(1, 1, d, taps, dtype, "cuda")
+    return e, h, WK, WV, wh, wv, cw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,d_mem,d,taps,dilation,dtype", DECODE_CASES)
+def test_gpu_decode_matches_reference(B, d_mem, d, taps, dilation, dtype):
+    e, h, WK, WV, wh, wv, cw = _decode_inputs(B, d_mem, d, taps, dtype)
+    L = dilation * (taps - 1) + 1  # a longer ring than needed
+    state = torch.randn(B, L, d, device="cuda").to(dtype)
+    pos = torch.randint(0, 50, (B,), device="cuda", dtype=torch.int32)
+    st_ref = state.clone()
+    y_ref = reference.decode_step_ref(e, h, st_ref, pos, WK, WV, wh, wv, cw, dilation, 1e-6)
+    _poison()
+    y = engram_decode_step(e, h, state, pos, WK, WV, wh, wv, cw, dilation=dilation)
+    torch.testing.assert_close(y.float(), y_ref.float(), **_tol(dtype))
+    assert calc_diff(y, y_ref) < 1e-5
+    torch.testing.assert_close(state.float(), st_ref.float(), **_tol(dtype))
+    s2 = st_ref.clone()
+    y2 = engram_decode_step(e, h, s2, pos, WK, WV, wh, wv, cw, dilation=dilation)
+    assert_equal(y, y2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("taps,dilation", [(4, 1), (4, 3)])
+def test_gpu_prefill_then_decode_equals_full_prefill(taps, dilation):
+    M, T, N, d, d_mem, dt = 3, 20, 12, 4096, 256, torch.bfloat16
+    E = torch.randn(M, T + N, d_mem, device="cuda").to(dt)
+    WK = (torch.randn(d_mem, d, device="cuda") / 16).to(dt)
+    WV = (torch.randn(d_mem, d, device="cuda") / 16).to(dt)
+    H = torch.randn(M, T + N, d, device="cuda").to(dt)
+    _, _, _, wh, wv, cw = _inputs(1, 1, d, taps, dt, "cuda")
+    k, v = (E.float() @ WK.float()).to(dt), (E.float() @ WV.float()).to(dt)
+    Y_all, *_, st_all = EngramGateConvFwdOp(taps, dilation)(H, k, v, wh, wv, cw)
+    _, *_, state = EngramGateConvFwdOp(taps, dilation)(H[:, :T], k[:, :T], v[:, :T], wh, wv, cw)
+    dec = EngramDecodeFwdOp(taps, dilation)
+    pos = torch.full((M,), T, dtype=torch.int32, device="cuda")
+    ys = [dec(E[:, i].contiguous(), H[:, i].contiguous(), state, pos, WK, WV, wh, wv, cw) for i in range(T, T + N)]
+    y = torch.stack(ys, 1)
+    assert calc_diff(y, Y_all[:, T:]) < 1e-5
+    torch.testing.assert_close(y.float(), Y_all[:, T:].float(), rtol=3e-2, atol=3e-2)
+    assert calc_diff(state, st_all) < 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_decode_opcheck_compile_graph():
+    from tk_engram import decode
+
+    B, d_mem, d = 4, 64, 200
+    e, h, WK, WV, wh, wv, cw = _decode_inputs(B, d_mem, d, 4, torch.bfloat16)
+    state, pos = init_decode_state(B, d, 4, 1, device="cuda")
+    tmp = [torch.empty(B, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    torch.library.opcheck(decode._decode_dev.op, (e, h, state.clone(), pos, WK, WV, wh, wv, cw, *tmp, 1, 1e-6))
+    s1, s2, s3 = state.clone(), state.clone(), state.clone()
+    y1 = engram_decode_step(e, h, s1, pos, WK, WV, wh, wv, cw)
+    y2 = torch.compile(engram_decode_step, fullgraph=True)(e, h, s2, pos, WK, WV, wh, wv, cw)
+    assert_equal(y1, y2)
+    assert_equal(s1, s2)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y3 = engram_decode_step(e, h, s3, pos, WK, WV, wh, wv, cw)
+    s3.copy_(state)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal(y1, y3)
+    assert_equal(s1, s3)
