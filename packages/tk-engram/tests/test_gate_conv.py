@@ -219,6 +219,7 @@ GC_VARIANTS = [  # (dtype, d, taps, dilation): tests (d=200) and benchmarks (409
     ("bfloat16", 4096, 4, 1),
     ("bfloat16", 7168, 4, 1),
     ("bfloat16", 4096, 4, 3),
+    ("bfloat16", 7168, 4, 3),
     ("float16", 200, 3, 2),
 ]
 

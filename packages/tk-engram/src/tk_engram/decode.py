@@ -33,6 +33,11 @@ from ._gate_conv_kernels import decode_proj_kernel, decode_step_kernel
 from .gate_conv import _TL_DTYPES, _CPU_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
 
+def decode_roofline_bytes(B: int, d_mem: int, d: int, taps: int, elem: int = 2) -> int:
+    """Bytes one decode step must move (module docstring); 2*d_mem*d*elem of them are W_K and W_V."""
+    return (2 * d_mem * d + B * d_mem + 2 * B * d + B * taps * d + (2 + taps) * d) * elem + 4 * B
+
+
 def init_decode_state(batch: int, d: int, conv_kernel_size: int = 4, dilation: int = 1, *,
                       dtype=torch.bfloat16, device=None):
     """An empty decode history: (zero cache (batch, dilation*(w-1), d), cache_pos zeros (batch,) int32)."""

@@ -53,6 +53,18 @@ _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def fwd_roofline_bytes(M: int, T: int, d: int, taps: int, elem: int = 2) -> int:
+    """Bytes the forward must move (module docstring): 3 reads + 2 writes of (M,T,d), 4 float32 stats, weights."""
+    N = M * T
+    return N * d * elem * 5 + 16 * N + (2 + taps) * d * elem
+
+
+def bwd_roofline_bytes(M: int, T: int, d: int, taps: int, elem: int = 2) -> int:
+    """Bytes the backward must move: 4 reads + 3 writes of (M,T,d), 4 float32 stats, weights and their grads."""
+    N = M * T
+    return N * d * elem * 7 + 16 * N + (2 + taps) * d * (elem + 4)
+
+
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """x, contiguous and 16-byte aligned (the kernels use 16-byte vectors); copies only when needed."""
     x = x.contiguous()
