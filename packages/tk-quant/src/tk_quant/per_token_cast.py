@@ -65,7 +65,7 @@ _SF_DTYPE = {None: "uint8", "fp32": "float32", "packed": "uint8", "e4m3": "float
 def _row_geometry(hidden: int):
     """Lanes per row ``32*W``, vectors per lane ``NPT`` and rows per CTA ``R`` of one-scale-per-row casts."""
     nvr = hidden // V
-    w = min(32, max(1, ceil_div(nvr, 32 * 4)))
+    w = min(32, max(1, ceil_div(nvr, 32 * 2)))  # at most 2 vectors per lane: registers stay low
     npt = ceil_div(nvr, 32 * w)
     r = max(1, 256 // (32 * w))
     return w, npt, r
@@ -74,15 +74,15 @@ def _row_geometry(hidden: int):
 # --- device-side helpers (trace time) ------------------------------------------------------------
 
 
-def _decode_e2m1(byte, hi: int):
-    """One nibble of an int32 byte value -> float32 (exact)."""
+def _decode_e2m1(byte, hi):
+    """One nibble (``hi`` = 0 low, 1 high) of an int32 byte value -> float32, exactly.
+
+    The nibble ``s e1 e0 m`` is placed as sign, exponent bits 24..23 and mantissa bit 22 of a float32; that
+    float is ``2**(e-127) * (1 + m/2)`` (or the denormal ``m * 2**-127``), so times ``2**126`` it is the e2m1
+    value (denormals are not flushed: no fast math)."""
     n = T.bitwise_and(T.shift_right(byte, 4 * hi), 0xF)
-    e = T.bitwise_and(T.shift_right(n, 1), 3)
-    m = T.bitwise_and(n, 1)
-    mag = T.if_then_else(
-        e == 0, T.if_then_else(m == 1, T.int32(0x3F000000), T.int32(0)), T.bitwise_or(T.shift_left(e + 126, 23), T.shift_left(m, 22))
-    )
-    return T.reinterpret(T.bitwise_or(mag, T.shift_left(T.shift_right(n, 3), 31)), "float32")
+    bits = T.bitwise_or(T.shift_left(T.bitwise_and(n, 7), 22), T.shift_left(T.bitwise_and(n, 8), 28))
+    return T.reinterpret(bits, "float32") * T.float32(2.0**126)
 
 
 def _encode_e2m1(y):
