@@ -66,10 +66,21 @@ def test_cpu_public_round_trip(col, round_sf, packed, dtype):
                 assert calc_diff(x.float(), back) < (5e-6 if special else 1e-4)
 
 
+def test_cpu_grouped_scales():
+    """An extension: one scale per (1, bk) group, bk in {16, 32, 64, 128}."""
+    x = torch.randn(5, 256)
+    data, sf = tk_quant.per_token_cast(x, "e5m6", 64, round_sf=True)
+    assert sf.shape == (5, 4)
+    rd, rs = reference.cast_to_e5m6(x, 64, round_sf=True)
+    assert_equal(data, rd)
+    assert_equal(sf, rs)
+    assert calc_diff(x, tk_quant.cast_back_e5m6((data, sf), "fp32", (1, 64))) < 1e-4
+
+
 def test_validation_errors():
     x = torch.randn(4, 64)
-    with pytest.raises(ValueError, match="num_per_channels must be the hidden size 64"):
-        tk_quant.per_token_cast(x, "e5m6", 32)
+    with pytest.raises(ValueError, match="num_per_channels must be the hidden size 64 or one of"):
+        tk_quant.per_token_cast(x, "e5m6", 48)
     with pytest.raises(ValueError, match="hidden must be a multiple of 16"):
         tk_quant.per_token_cast(torch.randn(4, 24), "e5m6", 24)
     with pytest.raises(ValueError, match="x must be a bf16/fp32 tensor for fmt='e5m6'"):
@@ -134,6 +145,17 @@ def test_gpu_e5m6_cast_and_back(t, h, col, round_sf, packed, dtype):
                 assert calc_diff(x.float(), back) < (5e-6 if special else 1e-4)
         d2, _ = tk_quant.per_token_cast(x, "e5m6", h, None, col, round_sf, packed)
         assert_equal(d2, data)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bk", [16, 128])
+def test_gpu_e5m6_grouped(bk):
+    x = torch.randn(3001, 2048, device=CUDA)
+    data, sf = tk_quant.per_token_cast(x, "e5m6", bk, None, True, True, True)
+    rd, rs = reference.cast_to_e5m6(x, bk, True, True, True)
+    assert_equal(data, rd)
+    assert_equal(reinterpret(sf, torch.uint8)[:, : 2048 // bk], reinterpret(rs, torch.uint8)[:, : 2048 // bk])
+    assert_equal(tk_quant.cast_back_e5m6((data, sf), "bf16", (1, bk)), reference.cast_back_from_e5m6((rd, rs), "bf16", (1, bk)))
 
 
 @pytest.mark.gpu

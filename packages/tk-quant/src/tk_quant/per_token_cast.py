@@ -16,7 +16,7 @@ QuantTensor input ``(data, s_in)`` (e4m3 ``(T, H)`` or packed e2m1 int8 ``(T, H/
 Shapes and layouts: ``H % 16 == 0``; ``bk`` in {16, 32, 64, 128} or ``bk == H`` (one scale per row; plain
 input only); partial last groups use their valid columns. ``x`` may have any row stride (unit inner
 stride). Outputs: data e4m3 ``(T, H)``, int8 ``(T, H/2)`` (element ``2j`` in the low nibble of byte ``j``) or,
-for e5m6, uint8 ``(T, 3H/2)`` (``bk == H`` only); SF of logical shape ``(T, ceil(H/bk))`` row-major fp32,
+for e5m6, uint8 ``(T, 3H/2)`` (plain input, ``H % bk == 0``); SF of logical shape ``(T, ceil(H/bk))`` row-major fp32,
 TMA-aligned column-major fp32 (``use_tma_aligned_col_major_sf``) or packed UE8M0 int32
 ``(T, ceil(ceil(H/bk)/4))`` column-major (needs col-major and ``round_sf``), or float8_e4m3fn with
 ``use_e4m3_sf`` (row- or column-major). ``T == 0`` returns empty tensors without a launch.
@@ -421,7 +421,7 @@ def per_token_cast(
     """Quantizes ``x`` (bf16/fp32 ``(T, H)`` or a QuantTensor) per ``(1, num_per_channels)`` group.
 
     Returns ``(data, sf)``; see the module docstring for the math, shapes, layouts and errors.
-    ``fmt='e5m6'`` needs ``num_per_channels == H`` and a plain input (``tk_quant.per_token_cast_e5m6``).
+    ``fmt='e5m6'`` needs a plain input (``tk_quant.per_token_cast_e5m6``).
     ``out`` (optional) is a preallocated contiguous data output.
     """
     op = "per_token_cast"
