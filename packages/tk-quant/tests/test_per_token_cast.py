@@ -300,6 +300,24 @@ def test_gpu_strided_rows(in_dtype, fmt, bk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h", [48, 192, 784])
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
+@pytest.mark.parametrize("bk", [16, "H"])
+def test_gpu_odd_hidden(h, fmt, bk):
+    """Hidden sizes whose groups are not a power-of-two number of lanes (one-scale-per-row path)."""
+    bk = h if bk == "H" else bk
+    x = torch.randn(77, h, device=CUDA)
+    d, s = tk_quant.per_token_cast(x, fmt, bk, round_sf=True)
+    rd, rs = reference.cast(x, fmt, (1, bk), round_sf=True)
+    assert_equal(d, rd)
+    assert_equal(s, rs)
+    if h <= 128 or bk == 16:
+        q = reference.cast(x, "e4m3", (1, 16))
+        assert_equal(tk_quant.per_token_cast(q, fmt, bk, x_block_size=(1, 16))[0],
+                     reference.cast(q, fmt, (1, bk), x_block_size=(1, 16))[0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 def test_gpu_e4m3_sf(fmt):
     x = torch.randn(3001, 4096, device=CUDA, dtype=torch.bfloat16)

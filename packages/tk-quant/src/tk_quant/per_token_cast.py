@@ -138,14 +138,14 @@ def per_token_cast_kernel(
     vout = {"e4m3": V, "e2m1": 2, "e5m6": 6}[fmt]
     ow = {"e4m3": 16, "e2m1": 2, "e5m6": 2}[fmt]  # elements per vector store
     fmax = FMT_MAX[fmt]
-    row_mode = bk > 32 * V
+    gv = bk // V
+    row_mode = gv > 32 or gv & (gv - 1) != 0  # a group must be a power-of-two run of lanes in one warp
     nk = ceil_div(hidden, bk)
     if row_mode:
         w, npt, r = _row_geometry(hidden)
         threads = 32 * w * r
         grid_x = lambda n: T.ceildiv(n, r)  # noqa: E731
     else:
-        gv = bk // V
         npt = 1
         nv = ceil_div(hidden // V, gv) * gv  # vectors per row, padded to whole groups
         grid_x = lambda n: T.ceildiv(n * nv, threads)  # noqa: E731
@@ -503,7 +503,7 @@ def per_token_cast_with_precomputed_sf(
         op, x, fmt, num_per_channels, x_block_size, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0,
         False, ("e4m3", "e2m1"),
     )
-    if num_per_channels == h and h > 32 * V:
+    if num_per_channels not in (16, 32, 64, 128):
         fail(op, "num_per_channels", "one of (16, 32, 64, 128) (one scale per row is not supported here)", num_per_channels)
     nk = ceil_div(h, num_per_channels)
     check_dtype(op, "sf", sf, (torch.float32, torch.int32, torch.float8_e4m3fn))
