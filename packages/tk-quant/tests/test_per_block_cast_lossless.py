@@ -108,7 +108,7 @@ def test_compiles(arch, params):
     from tk_core.testing.compile_check import assert_compiles
 
     src = assert_compiles(per_block_cast_lossless_kernel, arch, **params)
-    assert "__byte_perm" in src and "uint4" in src  # byte LUT, 16-byte stores
+    assert "__byte_perm" in src and ("uint4" in src or "store_global_256" in src)  # byte LUT, 16/32-byte stores
 
 
 # --- gpu tier -----------------------------------------------------------------------------------------
