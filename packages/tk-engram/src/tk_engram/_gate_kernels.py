@@ -20,12 +20,22 @@ BF16 = "bfloat16"
 F32 = "float32"
 
 
+MAX_HIDDEN = 16384
+
+
 def threads_for(hidden: int) -> int:
-    """128 threads, doubled until a thread owns at most 8 vectors of a row (hidden <= 65536)."""
-    threads = 128
-    while -(-hidden // (VEC * threads)) > 8 and threads < 1024:
-        threads *= 2
-    return threads
+    """128 threads, 256 above H = 8192, so that a thread owns at most 8 vectors of a row (H <= 16384)."""
+    return 128 if hidden <= 8192 else 256
+
+
+def fwd_blocks_per_sm(hidden: int) -> int:
+    """Resident CTAs the forward is register-budgeted for (16 warps per SM)."""
+    return 512 // threads_for(hidden)
+
+
+def bwd_blocks_per_sm(hidden: int) -> int:
+    """Resident CTAs the backward is register-budgeted for (up to 255 registers per thread)."""
+    return 256 // threads_for(hidden)
 
 
 def _inv_sqrt_hidden(hidden: int):
@@ -38,13 +48,28 @@ def _inv_sqrt_hidden(hidden: int):
 PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True}
 
 
+# cp.async.bulk.prefetch.L2 (sm_90+): stream a whole row into L2 with one instruction and no registers.
+PREFETCH_L2 = r"""
+__device__ __forceinline__ void tk_prefetch_l2(const void* ptr, unsigned int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
+
+
+def _prefetch_row(buf, index, bytes_):
+    return T.call_extern("handle", "tk_prefetch_l2", T.address_of(buf[index]), T.uint32(bytes_))
+
+
 @kernel(pass_configs=PASS_CONFIGS)
 def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
-    """One CTA per (token, stream), stream fastest so the n CTAs sharing ``v[t]`` run together.
+    """Persistent CTAs, one per (token chunk p, stream h), stream fastest so the n CTAs sharing ``v[t]``
+    run side by side (v is read from DRAM once, the other streams hit L2).
 
-    Each thread loads its x and k vectors (kept in registers), accumulates sum x^2, sum k^2 and
-    sum x*w*k in float32, the three sums are reduced over the warp (shuffles) and then over the warps
-    in a fixed order (shared memory), then the gate is formed and out = x + g * v is written.
+    CTA (p, h) walks tokens [p * chunk, min((p + 1) * chunk, T)). Per token: one thread prefetches the next
+    token's x, k and v rows into L2 (bulk prefetch, no registers), every thread loads its x and k vectors
+    (kept in registers) and v, accumulates sum x^2, sum k^2 and sum x*w*k in float32 (fixed order), the
+    sums are reduced over the warp (shuffles) and over the warps in a fixed order (shared memory,
+    double-buffered by token parity: one barrier per token), then out = x + g * v is written.
     """
     R = -(-hidden // (VEC * threads))
     W = threads // 32
@@ -52,78 +77,84 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
     lx, lk, lv = T.dynamic("len_x, len_k, len_v", "int64")
 
     @T.macro
-    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp):
-        with T.Kernel(nt * n, threads=threads) as bid:
-            T.annotate_min_blocks_per_sm(4)
+    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, nparts):
+        with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
+            T.annotate_min_blocks_per_sm(fwd_blocks_per_sm(hidden))
             tx = T.get_thread_binding()
-            t = bid // n
+            p = bid // n
             h = bid % n
             xl = T.alloc_local((R, VEC), BF16)
             kl = T.alloc_local((R, VEC), BF16)
             vl = T.alloc_local((R, VEC), BF16)
             wl = T.alloc_local((VEC,), F32)
             acc = T.alloc_local((3,), F32)
-            red = T.alloc_shared((W, 3), F32)
+            red = T.alloc_shared((2, W, 3), F32)
             gv = T.alloc_var(F32)
             rxv = T.alloc_var(F32)
             rkv = T.alloc_var(F32)
             sv = T.alloc_var(F32)
-            xbase = (T.cast(t, "int64") * sx0 + T.cast(h, "int64") * sx1) * VEC
-            kbase = (T.cast(t, "int64") * sk0 + T.cast(h, "int64") * sk1) * VEC
-            vbase = T.cast(t, "int64") * sv0 * VEC
-            for i in T.unroll(3):
-                acc[i] = T.float32(0)
-            for r in T.unroll(R):
-                d0 = (r * threads + tx) * VEC
-                if d0 < hidden:
-                    for j in T.vectorized(VEC):
-                        xl[r, j] = X[xbase + d0 + j]
-                    for j in T.vectorized(VEC):
-                        kl[r, j] = K[kbase + d0 + j]
-            for r in T.unroll(R):
-                d0 = (r * threads + tx) * VEC
-                if d0 < hidden:
-                    for j in T.vectorized(VEC):
-                        vl[r, j] = V[vbase + d0 + j]
-            for r in T.unroll(R):
-                d0 = (r * threads + tx) * VEC
-                if d0 < hidden:
-                    for j in T.vectorized(VEC):
-                        wl[j] = Wf[h, d0 + j]
-                    for j in T.unroll(VEC):
-                        acc[0] += T.cast(xl[r, j], F32) * T.cast(xl[r, j], F32)
-                        acc[1] += T.cast(kl[r, j], F32) * T.cast(kl[r, j], F32)
-                        acc[2] += T.cast(xl[r, j], F32) * wl[j] * T.cast(kl[r, j], F32)
-            for i in T.unroll(3):
-                acc[i] = T.warp_reduce_sum(acc[i])
-            if tx % 32 == 0:
+            t_begin = p * chunk
+            t_end = T.min(t_begin + chunk, nt)
+            for t in T.serial(t_begin, t_end):
+                t64 = T.cast(t, "int64")
+                xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
+                kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
+                vbase = t64 * sv0 * VEC
+                if tx == 0 and t + 1 < t_end:
+                    _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
+                    _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)
+                    _prefetch_row(V, vbase + sv0 * VEC, hidden * 2)
                 for i in T.unroll(3):
-                    red[tx // 32, i] = acc[i]
-            T.sync_threads()
-            for i in T.unroll(3):
-                acc[i] = red[0, i]
-                for w in T.unroll(1, W):
-                    acc[i] += red[w, i]
-            rxv = T.float32(1.0) / T.sqrt(acc[0] / T.float32(hidden) + eps)
-            rkv = T.float32(1.0) / T.sqrt(acc[1] / T.float32(hidden) + eps)
-            sv = acc[2] * rxv * rkv * _inv_sqrt_hidden(hidden)
-            # sign(s) * sqrt(max(|s|, clamp)); sign(0) = 0 so g(0) = 1/2 (and NaN propagates).
-            gv = T.sqrt(T.max(T.abs(sv), clamp))
-            gv = T.if_then_else(sv > 0, gv, T.if_then_else(sv < 0, -gv, sv))
-            gv = T.float32(1.0) / (T.float32(1.0) + T.exp(-gv))
-            for r in T.unroll(R):
-                d0 = (r * threads + tx) * VEC
-                if d0 < hidden:
-                    for j in T.vectorized(VEC):
-                        Out[t, h, d0 + j] = T.cast(
-                            T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16
-                        )
-            if save:
-                if tx == 0:
-                    Dot[t, h] = acc[2]
-                    Gate[t, h] = gv
-                    Rx[t, h] = rxv
-                    Rk[t, h] = rkv
+                    acc[i] = T.float32(0)
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            xl[r, j] = X[xbase + d0 + j]
+                        for j in T.vectorized(VEC):
+                            kl[r, j] = K[kbase + d0 + j]
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            vl[r, j] = V[vbase + d0 + j]
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            wl[j] = Wf[h, d0 + j]
+                        for j in T.unroll(VEC):
+                            acc[0] += T.cast(xl[r, j], F32) * T.cast(xl[r, j], F32)
+                            acc[1] += T.cast(kl[r, j], F32) * T.cast(kl[r, j], F32)
+                            acc[2] += T.cast(xl[r, j], F32) * wl[j] * T.cast(kl[r, j], F32)
+                for i in T.unroll(3):
+                    acc[i] = T.warp_reduce_sum(acc[i])
+                if tx % 32 == 0:
+                    for i in T.unroll(3):
+                        red[t % 2, tx // 32, i] = acc[i]
+                T.sync_threads()
+                for i in T.unroll(3):
+                    acc[i] = red[t % 2, 0, i]
+                    for w in T.unroll(1, W):
+                        acc[i] += red[t % 2, w, i]
+                rxv = T.float32(1.0) / T.sqrt(acc[0] / T.float32(hidden) + eps)
+                rkv = T.float32(1.0) / T.sqrt(acc[1] / T.float32(hidden) + eps)
+                sv = acc[2] * rxv * rkv * _inv_sqrt_hidden(hidden)
+                # sign(s) * sqrt(max(|s|, clamp)); sign(0) = 0 so g(0) = 1/2 (and NaN propagates).
+                gv = T.sqrt(T.max(T.abs(sv), clamp))
+                gv = T.if_then_else(sv > 0, gv, T.if_then_else(sv < 0, -gv, sv))
+                gv = T.float32(1.0) / (T.float32(1.0) + T.exp(-gv))
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            Out[t, h, d0 + j] = T.cast(T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16)
+                if save:
+                    if tx == 0:
+                        Dot[t, h] = acc[2]
+                        Gate[t, h] = gv
+                        Rx[t, h] = rxv
+                        Rk[t, h] = rkv
 
     if save:
 
@@ -145,8 +176,10 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
             sv0: T.int64,
             eps: T.float32,
             clamp: T.float32,
+            chunk: T.int32,
+            num_parts: T.int32,
         ):
-            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp)
+            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts)
 
         return fwd_save
 
@@ -164,14 +197,16 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
         sv0: T.int64,
         eps: T.float32,
         clamp: T.float32,
+        chunk: T.int32,
+        num_parts: T.int32,
     ):
-        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp)
+        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts)
 
     return fwd_nosave
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
+def gate_bwd_kernel(n: int, hidden: int, threads: int):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
 
     CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
@@ -213,8 +248,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
         clamp: T.float32,
         chunk: T.int32,
     ):
-        with T.Kernel(nparts * n, threads=threads) as bid:
-            T.annotate_min_blocks_per_sm(blocks_per_sm)
+        with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
+            T.annotate_min_blocks_per_sm(bwd_blocks_per_sm(hidden))
             tx = T.get_thread_binding()
             p = bid // n
             h = bid % n
@@ -250,6 +285,13 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
                 xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
                 kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
                 vbase = t64 * sv0 * VEC
+                # Rows of the next token go to L2 while this one is processed, so the DRAM stream does not
+                # wait for this CTA's load-reduce-store cycle (a hint only: no effect on results).
+                if tx == 0 and t + 1 < t_end:
+                    _prefetch_row(G, gbase + sg0 * VEC, hidden * 2)
+                    _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
+                    _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)
+                    _prefetch_row(V, vbase + sv0 * VEC, hidden * 2)
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
@@ -257,10 +299,6 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
                             gl[r, j] = G[gbase + d0 + j]
                         for j in T.vectorized(VEC):
                             vl[r, j] = V[vbase + d0 + j]
-                        for j in T.vectorized(VEC):
-                            xl[r, j] = X[xbase + d0 + j]
-                        for j in T.vectorized(VEC):
-                            kl[r, j] = K[kbase + d0 + j]
                 dot = Dot[t, h]
                 gate = Gate[t, h]
                 rx = Rx[t, h]
@@ -271,6 +309,14 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, blocks_per_sm: int):
                     if d0 < hidden:
                         for j in T.unroll(VEC):
                             dg += T.cast(gl[r, j], F32) * T.cast(vl[r, j], F32)
+                # x and k are issued before the barrier (their latency overlaps the reduction); v is dead
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            xl[r, j] = X[xbase + d0 + j]
+                        for j in T.vectorized(VEC):
+                            kl[r, j] = K[kbase + d0 + j]
                 dg = T.warp_reduce_sum(dg)
                 if tx % 32 == 0:
                     red[t % 2, tx // 32] = dg

@@ -32,9 +32,10 @@ token count, stride, eps or clamp. Outputs are contiguous. T = 0 returns empty o
 Errors: ``TypeError`` for wrong dtypes, ``ValueError`` for shapes, devices, strides and scalars, each as
 ``"<op>: <arg> must be <expected>, got <actual>"``.
 
-Kernels (``_gate_kernels.py``): the forward runs one CTA per (token, stream) with x and k held in
-registers between the reduction and the output pass (16-byte accesses throughout); the backward runs
-persistent CTAs over (token chunk, stream) accumulating the weight gradient in registers.
+Kernels (``_gate_kernels.py``): persistent CTAs over (token chunk, stream), one wave; x and k stay in
+registers between the reduction and the output pass, all accesses are 16-byte vectors, and the next
+token's rows are bulk-prefetched into L2 while the current one is processed. The backward accumulates
+its chunk's weight gradient in registers and writes one partial row per CTA.
 """
 
 import math
@@ -45,11 +46,17 @@ from tk_core import checks, config
 from tk_core.library import device_op
 
 from . import reference
-from ._gate_kernels import gate_bwd_kernel, gate_fwd_kernel, grad_w_reduce_kernel, threads_for
+from ._gate_kernels import (
+    MAX_HIDDEN,
+    bwd_blocks_per_sm,
+    fwd_blocks_per_sm,
+    gate_bwd_kernel,
+    gate_fwd_kernel,
+    grad_w_reduce_kernel,
+    threads_for,
+)
 
 HIDDEN_ALIGN = 64
-# CTAs of the backward kernel resident per SM (its register budget is sized for this).
-BWD_BLOCKS_PER_SM = 2
 
 
 def _vec_view(t: torch.Tensor):
@@ -58,10 +65,24 @@ def _vec_view(t: torch.Tensor):
     ``t`` has a unit-stride last dimension. If a leading stride is not a multiple of 8 or the base is not
     16-byte aligned, a contiguous copy is used instead (the kernels load 16-byte vectors).
     """
-    if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:-1]):
+    # a size-1 dimension is never stepped along: its stride is irrelevant (taken as 0)
+    strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride())]
+    if t.data_ptr() % 16 or any(s % 8 for s in strides[:-1]):
         t = t.contiguous()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.as_strided((span,), (1,)), [s // 8 for s in t.stride()[:-1]]
+        strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride())]
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, strides))
+    return t.as_strided((span,), (1,)), [s // 8 for s in strides[:-1]]
+
+
+def _device_sms(device: torch.device) -> int:
+    return config.get_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _fwd_chunks(num_tokens: int, n: int, hidden: int, device: torch.device):
+    """(chunk, parts) of the persistent forward: one wave of CTAs, equal contiguous token chunks."""
+    parts = max(1, min(num_tokens, (_device_sms(device) * fwd_blocks_per_sm(hidden)) // n))
+    chunk = -(-num_tokens // parts)
+    return chunk, -(-num_tokens // chunk)
 
 
 # ------------------------------------------------------------------------------------------ device ops
@@ -85,8 +106,12 @@ def _gate_fwd_op(
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
+    chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
     kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden))
-    kern(X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k, sx0, sx1, sk0, sk1, sv0, eps, clamp_value)
+    kern(
+        X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k,
+        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts,
+    )
 
 
 @device_op("tk_engram::engram_gate_fwd_nosave", mutates_args=("out",))
@@ -103,8 +128,9 @@ def _gate_fwd_nosave_op(
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
+    chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
     kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden))
-    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value)
+    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts)
 
 
 @device_op(
@@ -133,9 +159,7 @@ def _gate_bwd_op(
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
-    kern = gate_bwd_kernel.get(
-        grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden), blocks_per_sm=BWD_BLOCKS_PER_SM
-    )
+    kern = gate_bwd_kernel.get(grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden))
     kern(
         Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial,
         sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk,
@@ -173,8 +197,8 @@ def _check_gate_inputs(op: str, hidden_states, k, v, weight_fused):
     if n < 1:
         checks.fail(op, "hidden_states", "of shape (T, n, H) with n >= 1", f"shape {tuple(hidden_states.shape)}")
     checks.check_divisible(op, "hidden size H", hidden, HIDDEN_ALIGN)
-    if hidden == 0:
-        checks.fail(op, "hidden size H", "positive", hidden)
+    if not 0 < hidden <= MAX_HIDDEN:
+        checks.fail(op, "hidden size H", f"in [64, {MAX_HIDDEN}]", hidden)
     device = hidden_states.device
     _check_float(op, "k", k, torch.bfloat16)
     checks.check_shape(op, "k", k, (num_tokens, n, hidden))
@@ -237,12 +261,11 @@ def engram_gate_fwd(
     return out, dot, gate_score, rstd_x, rstd_k
 
 
-def num_grad_w_parts(num_tokens: int, n: int, device: torch.device) -> int:
+def num_grad_w_parts(num_tokens: int, n: int, hidden: int, device: torch.device) -> int:
     """Rows of ``grad_w_partial`` the backward writes on ``device`` for ``num_tokens`` tokens."""
     if device.type != "cuda":
         return 1
-    sms = config.get_num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return max(1, min(num_tokens, (sms * BWD_BLOCKS_PER_SM) // n))
+    return max(1, min(num_tokens, (_device_sms(device) * bwd_blocks_per_sm(hidden)) // n))
 
 
 def engram_gate_bwd(
@@ -280,7 +303,7 @@ def engram_gate_bwd(
         return reference.engram_gate_bwd_ref(
             grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value
         )
-    parts = num_grad_w_parts(num_tokens, n, device)
+    parts = num_grad_w_parts(num_tokens, n, hidden, device)
     grad_x = torch.empty((num_tokens, n, hidden), dtype=hidden_states.dtype, device=device)
     grad_k = torch.empty((num_tokens, n, hidden), dtype=k.dtype, device=device)
     grad_v = torch.empty((num_tokens, hidden), dtype=v.dtype, device=device)
