@@ -252,13 +252,13 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [0, 1, 133, 4001])
-@pytest.mark.parametrize("h", [576, 2048, 7168])
+@pytest.mark.parametrize("h", [576, 7168])
 @pytest.mark.parametrize("col,round_sf,packed", LAYOUTS)
 @pytest.mark.parametrize("in_dtype,fmt,bk,x_block_size", GPU_CASES)
 def test_gpu_matches_reference(t, h, col, round_sf, packed, in_dtype, fmt, bk, x_block_size):
     bk = h if bk == "H" else bk
-    if x_block_size is not None and not round_sf and packed:
-        pytest.skip("packed needs round_sf")
+    if x_block_size is not None and (col, round_sf, packed) not in ((False, False, False), (True, True, True)):
+        pytest.skip("quantized inputs: two layouts keep the number of compiled variants modest")
     x, orig = _make_input(in_dtype, t, h, x_block_size, col, round_sf, packed)
     out = torch.full((t, h // 2 if fmt == "e2m1" else h), -1, dtype=torch.int8, device=CUDA)
     if fmt == "e4m3":
