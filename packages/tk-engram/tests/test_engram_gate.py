@@ -439,12 +439,16 @@ def test_gpu_fused_weight_bit_exact(hidden):
 def test_gpu_engram_gate_autograd_vs_reference():
     b, s, n, h = 2, 333, 4, 2048
     x, k, v, wh, we = (a.requires_grad_() for a in _inputs(b * s, n, h, device=CUDA))
+    # float32 weight gradients through Megatron-style main_grad buffers (compared before the bf16 cast)
+    wh.main_grad = torch.zeros(n, h, device=CUDA)
+    we.main_grad = torch.zeros(n, h, device=CUDA)
     x4, k4, v3 = x.view(b, s, n, h), k.view(b, s, n, h), v.view(b, s, h)
     G = torch.randn(b, s, n, h, device=CUDA).bfloat16()
     out = tk_engram.engram_gate(x4, k4, v3, wh, we, CLAMP, EPS)
     out.backward(G)
-    grads = [a.grad.clone() for a in (x, k, v, wh, we)]
-    for a in (x, k, v, wh, we):
+    assert wh.grad is None and we.grad is None
+    grads = [x.grad.clone(), k.grad.clone(), v.grad.clone(), wh.main_grad.clone(), we.main_grad.clone()]
+    for a in (x, k, v):
         a.grad = None
     ref_in = [a.detach().clone().requires_grad_() for a in (x, k, v, wh, we)]
     whf, wef = ref_in[3].float().detach().requires_grad_(), ref_in[4].float().detach().requires_grad_()
@@ -453,10 +457,11 @@ def test_gpu_engram_gate_autograd_vs_reference():
     assert calc_diff(out, ref_out) < 1e-9
     for got, want in zip(grads, [ref_in[0].grad, ref_in[1].grad, ref_in[2].grad, whf.grad, wef.grad]):
         assert calc_diff(got, want) < 1e-8
-    # deterministic weight gradients
+    # deterministic: a second backward adds exactly the same weight gradients (g + g is exact)
     tk_engram.engram_gate(x4, k4, v3, wh, we, CLAMP, EPS).backward(G)
-    assert_equal(wh.grad, grads[3])
-    assert_equal(we.grad, grads[4])
+    assert_equal(wh.main_grad, 2 * grads[3])
+    assert_equal(we.main_grad, 2 * grads[4])
+    assert_equal(x.grad, grads[0])
 
 
 @pytest.mark.gpu

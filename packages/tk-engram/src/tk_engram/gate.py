@@ -346,7 +346,8 @@ def grad_w_reduce(
         checks.check_shape(op, name, t, (n, hidden))
         checks.check_same_device(op, name, t, device)
         checks.check_contiguous(op, name, t)
-    if device.type != "cuda":
+    if device.type != "cuda" or grad_w_partial.shape[0] == 0:
+        # (no partial rows: S = +0, two elementwise ops; an empty tensor cannot be passed to the kernel)
         reference.grad_w_reduce_ref(grad_w_partial, weight_hidden, weight_embed, grad_weight_hidden, grad_weight_embed)
         return
     if n * hidden == 0:
