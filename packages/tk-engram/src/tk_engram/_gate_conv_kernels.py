@@ -66,9 +66,9 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             red = T.alloc_shared((4, nwarps), f32)
             tot = T.alloc_local((4,), f32)
             part = T.alloc_local((4,), f32)
-            uu = T.alloc_local((1,), f32)
+            uu = T.alloc_local((VEC,), f32)
             wl = T.alloc_local((VEC,), dtype)
-            cw = T.alloc_local((taps * VEC,), dtype)
+            cw = T.alloc_local((VEC,), dtype)
             xh = T.alloc_local((slots * VEC,), dtype)
             xk = T.alloc_local((slots * VEC,), dtype)
             xv = T.alloc_local((slots * VEC,), dtype)
@@ -78,7 +78,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             base = br + dilation * chunk * bc
             # prefetch the first token of the walk
             t0 = base - dilation * R
-            if t0 >= 0:
+            if t0 >= 0 and t0 < L:
                 for s in T.unroll(slots):
                     c0 = (s * threads + tx) * VEC
                     if c0 < d:
@@ -163,19 +163,20 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             no = T.alloc_local((VEC,), dtype)
                             for e in T.vectorized(VEC):
                                 wl[e] = w_v[c0 + e]
-                            for p in T.unroll(taps):
+                            for e in T.vectorized(VEC):
+                                cw[e] = conv_w[taps - 1, c0 + e]
+                            for e in T.unroll(VEC):
+                                no[e] = T.cast(a * T.cast(xv[s * VEC + e], f32) * T.cast(wl[e], f32) * r_v, dtype)
+                                uu[e] = T.cast(cw[e], f32) * T.cast(no[e], f32)
+                            for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
-                                    cw[p * VEC + e] = conv_w[p, c0 + e]
+                                    cw[e] = conv_w[taps - 1 - q, c0 + e]
+                                for e in T.unroll(VEC):
+                                    uu[e] += T.cast(cw[e], f32) * T.cast(ring[(it - q + RS * taps) % RS, c0 + e], f32)
                             for e in T.unroll(VEC):
                                 vh = a * T.cast(xv[s * VEC + e], f32)
-                                no[e] = T.cast(vh * T.cast(wl[e], f32) * r_v, dtype)
-                                uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
-                                for q in T.unroll(1, taps):
-                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(
-                                        ring[(it - q + RS * taps) % RS, c0 + e], f32
-                                    )
                                 vo[e] = T.cast(vh, dtype)
-                                yo[e] = T.cast(uu[0] / (T.float32(1) + T.exp(-uu[0])) + vh, dtype)
+                                yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
                             for e in T.unroll(VEC):
                                 ring[slot, c0 + e] = no[e]
                             if it >= R:
@@ -184,7 +185,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 for e in T.vectorized(VEC):
                                     VH[bm, t, c0 + e] = vo[e]
                             if hist > 0:
-                                if t >= L - hist:
+                                if it >= R and t >= L - hist:  # halo tokens belong to the previous chunk
                                     for e in T.vectorized(VEC):
                                         state[bm, T.floormod(t, HS), c0 + e] = no[e]
 

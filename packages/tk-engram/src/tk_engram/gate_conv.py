@@ -110,6 +110,8 @@ def _check_inputs(op: str, names, seqs, weights, conv_w):
         checks.fail(op, "conv_w", "of shape (w >= 1, d)", f"shape {tuple(conv_w.shape)}")
     if x0.is_cuda:
         checks.check_divisible(op, "d (the last dimension of H)", d, 8)
+        if M > 65535:  # the grid's z dimension
+            checks.fail(op, names[0], "at most 65535 sequences (dimension 0)", f"shape {tuple(x0.shape)}")
     return M, T, d
 
 
