@@ -355,7 +355,8 @@ def test_gpu_special_values():
             d, s = tk_quant.per_token_cast(x, fmt, 32, round_sf=round_sf)
             rd, rs = reference.cast(x, fmt, (1, 32), round_sf=round_sf)
             assert_equal(s, rs)
-            assert_equal(d.view(torch.uint8)[1:], rd.view(torch.uint8)[1:])  # NaN payloads may differ
+            keep = [r for r in range(64) if r not in (0, 2)]  # rows 0 and 2 hold NaNs (inf * 0)
+            assert_equal(d.view(torch.uint8)[keep], rd.view(torch.uint8)[keep])
 
 
 @pytest.mark.gpu
