@@ -441,6 +441,7 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
             a = T.alloc_local((RPT, VEC), "bfloat16")
             q = T.alloc_local((RPT, VEC), "float8_e4m3fn")
             am = T.alloc_local((VEC,), "float32")
+            rw = T.alloc_local((VEC,), "float32")
             sfv = T.alloc_local((VEC,), "float32")
             siv = T.alloc_local((VEC,), "float32")
             red = T.alloc_shared((WARPS, COLS), "float32")
@@ -462,12 +463,15 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
                 for off in offsets:
                     am[i] = T.max(am[i], T.shfl_xor(am[i], off))
             if tx % 32 < CL:
-                for i in T.unroll(VEC):
+                for i in T.vectorized(VEC):
                     red[tx // 32, cl * VEC + i] = am[i]
             T.sync_threads()
+            for w in T.unroll(WARPS):
+                for i in T.vectorized(VEC):
+                    rw[i] = red[w, cl * VEC + i]
+                for i in T.unroll(VEC):
+                    am[i] = T.max(am[i], rw[i])
             for i in T.unroll(VEC):
-                for w in T.unroll(WARPS):
-                    am[i] = T.max(am[i], red[w, cl * VEC + i])
                 s, si = _tl.scale_rule(am[i], clamp_min, E4M3_MAX, round_sf)
                 sfv[i] = s
                 siv[i] = si
