@@ -542,3 +542,17 @@ def test_gpu_cuda_graph_capture():
     tk_engram.grad_w_reduce(ref_grads[3], wh, we, gwh2, gwe2)
     assert_equal(gwh, gwh2)
     assert_equal(gwe, gwe2)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_switch_does_not_change_results(monkeypatch):
+    t, n, h = 517, 4, 7168
+    x, k, v, wh, we, w = _gpu_inputs(t, n, h)
+    G = torch.randn(t, n, h, device=CUDA).bfloat16()
+    fwd = tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
+    bwd = tk_engram.engram_gate_bwd(G, x, k, v, w, *fwd[1:], CLAMP)
+    monkeypatch.setattr(gate_mod, "PREFETCH", False)
+    for a, b in zip(tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP), fwd):
+        assert_equal(a, b)
+    for a, b in zip(tk_engram.engram_gate_bwd(G, x, k, v, w, *fwd[1:], CLAMP), bwd):
+        assert_equal(a, b)

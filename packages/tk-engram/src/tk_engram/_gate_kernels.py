@@ -77,7 +77,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
     lx, lk, lv = T.dynamic("len_x, len_k, len_v", "int64")
 
     @T.macro
-    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, nparts):
+    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, nparts, prefetch):
         with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
             T.annotate_min_blocks_per_sm(fwd_blocks_per_sm(hidden))
             tx = T.get_thread_binding()
@@ -100,7 +100,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
                 xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
                 kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
                 vbase = t64 * sv0 * VEC
-                if tx == 0 and t + 1 < t_end:
+                if tx == 0 and prefetch != 0 and t + 1 < t_end:
                     _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
                     _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)
                     _prefetch_row(V, vbase + sv0 * VEC, hidden * 2)
@@ -178,8 +178,9 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
             clamp: T.float32,
             chunk: T.int32,
             num_parts: T.int32,
+            prefetch: T.int32,
         ):
-            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts)
+            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
 
         return fwd_save
 
@@ -199,8 +200,9 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
         clamp: T.float32,
         chunk: T.int32,
         num_parts: T.int32,
+        prefetch: T.int32,
     ):
-        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts)
+        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
 
     return fwd_nosave
 
@@ -247,6 +249,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
         sv0: T.int64,
         clamp: T.float32,
         chunk: T.int32,
+        prefetch: T.int32,
     ):
         with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
             T.annotate_min_blocks_per_sm(bwd_blocks_per_sm(hidden))
@@ -287,7 +290,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
                 vbase = t64 * sv0 * VEC
                 # Rows of the next token go to L2 while this one is processed, so the DRAM stream does not
                 # wait for this CTA's load-reduce-store cycle (a hint only: no effect on results).
-                if tx == 0 and t + 1 < t_end:
+                if tx == 0 and prefetch != 0 and t + 1 < t_end:
                     _prefetch_row(G, gbase + sg0 * VEC, hidden * 2)
                     _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
                     _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)

@@ -39,6 +39,7 @@ its chunk's weight gradient in registers and writes one partial row per CTA.
 """
 
 import math
+import os
 
 import torch
 
@@ -57,6 +58,9 @@ from ._gate_kernels import (
 )
 
 HIDDEN_ALIGN = 64
+# Bulk L2 prefetch of the next token's rows in the persistent gate kernels (a runtime argument: switch it
+# off with TK_ENGRAM_PREFETCH=0 or by setting this attribute, e.g. to compare in a benchmark).
+PREFETCH = os.environ.get("TK_ENGRAM_PREFETCH", "1") not in ("", "0")
 
 
 def _vec_view(t: torch.Tensor):
@@ -110,7 +114,7 @@ def _gate_fwd_op(
     kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden))
     kern(
         X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k,
-        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts,
+        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH),
     )
 
 
@@ -130,7 +134,7 @@ def _gate_fwd_nosave_op(
     V, (sv0,) = _vec_view(v)
     chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
     kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden))
-    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts)
+    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH))
 
 
 @device_op(
@@ -162,7 +166,7 @@ def _gate_bwd_op(
     kern = gate_bwd_kernel.get(grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden))
     kern(
         Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial,
-        sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk,
+        sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk, int(PREFETCH),
     )
 
 
