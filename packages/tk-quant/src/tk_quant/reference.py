@@ -93,13 +93,14 @@ def cast(
         sf_rows = decode_sf(sf, nm, nk)
         if tuple(sf_rows.shape) != (nm, nk):
             raise ValueError(f"{op}: sf must be of shape {(nm, nk)}, got shape {tuple(sf.shape)}")
-        sf_inv = sf_rows.reciprocal()
+        sf_inv = torch.ones_like(sf_rows) / sf_rows  # tensor / tensor: the correctly rounded division
     else:
         amax = _block_amax(v, bm, bk)
         if use_e4m3_sf:
             a = torch.clamp_min(amax, amax_clamp(fmt, True))
-            sf_rows = encode_e4m3(a / FMT_MAX[fmt]).float()
-            sf_inv = 1.0 / sf_rows
+            # tensor / tensor: on CUDA ``tensor / python_scalar`` multiplies by a rounded reciprocal
+            sf_rows = encode_e4m3(a / torch.full_like(a, FMT_MAX[fmt])).float()
+            sf_inv = torch.ones_like(sf_rows) / sf_rows
         else:
             sf_rows, sf_inv = compute_scales(amax, FMT_MAX[fmt], amax_clamp(fmt), round_sf)
     mult = expand_sf(sf_inv, t, h, bm, bk)
@@ -284,7 +285,8 @@ def _row_weights(e: int, pos_to_token_topk, topk_weights, device):
     flat = topk_weights.float().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros(e, device=device)
-    return torch.where(idx >= 0, flat[idx.clamp(0, flat.numel() - 1)], torch.zeros((), device=device))
+    valid = (idx >= 0) & (idx < flat.numel())  # like the kernels: out-of-range indices read weight 0
+    return torch.where(valid, flat[idx.clamp(0, flat.numel() - 1)], torch.zeros((), device=device))
 
 
 def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
@@ -345,7 +347,7 @@ def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, n
         du = torch.where(chi | clo, zero, du)
     weight_grad = torch.zeros_like(weight, dtype=torch.float32)
     idx = pos_to_token_topk.long()
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < weight_grad.numel())
     if e:
         weight_grad.view(-1)[idx[valid]] = wgrad_dot(gf, act)[valid]
     return out, torch.cat([dg, du], dim=1), weight_grad
