@@ -93,13 +93,14 @@ def cast(
         sf_rows = decode_sf(sf, nm, nk)
         if tuple(sf_rows.shape) != (nm, nk):
             raise ValueError(f"{op}: sf must be of shape {(nm, nk)}, got shape {tuple(sf.shape)}")
-        sf_inv = sf_rows.reciprocal()
+        sf_inv = torch.ones_like(sf_rows) / sf_rows  # tensor / tensor: the correctly rounded division
     else:
         amax = _block_amax(v, bm, bk)
         if use_e4m3_sf:
             a = torch.clamp_min(amax, amax_clamp(fmt, True))
-            sf_rows = encode_e4m3(a / FMT_MAX[fmt]).float()
-            sf_inv = 1.0 / sf_rows
+            # tensor / tensor: on CUDA ``tensor / python_scalar`` multiplies by a rounded reciprocal
+            sf_rows = encode_e4m3(a / torch.full_like(a, FMT_MAX[fmt])).float()
+            sf_inv = torch.ones_like(sf_rows) / sf_rows
         else:
             sf_rows, sf_inv = compute_scales(amax, FMT_MAX[fmt], amax_clamp(fmt), round_sf)
     mult = expand_sf(sf_inv, t, h, bm, bk)
@@ -159,6 +160,85 @@ def cast_back_from_e5m6(x, fmt: str, x_block_size) -> torch.Tensor:
     return (decode_e5m6(codes) * s).to(OUT_DTYPES[fmt])
 
 
+# --- lossless FP4 -> FP8 block re-quantization, per-channel fused cast (§4, §9.7) ------------------
+
+
+def per_block_cast_lossless(
+    x,
+    fmt: str,
+    x_block_size,
+    out_block_size,
+    use_tma_aligned_col_major_sf: bool = False,
+    round_sf: bool = True,
+    use_packed_ue8m0: bool = False,
+):
+    """FP4 ``(data int8 (T, H/2), sf)`` with power-of-two scales -> ``(e4m3 (T, H), sf_out, num_errors)``.
+
+    Per output block: ``E = max e_i`` over the biased exponents of the input scales it covers,
+    ``e_out = max(E - 6, 1)``, ``out = e4m3(fp4 * 2**(e_i - e_out))`` (0 for a zero scale), output scale
+    ``2**(e_out - 127)``. ``num_errors`` counts the 32-column row segments whose scale is inadmissible
+    (not ``+2**k`` or ``+0``, inf/NaN/byte 255, or ``e_i - e_out < -8``); those are still converted
+    (RNE, saturating) as the kernel does.
+    """
+    from tk_core.formats import decode_e2m1, pow2, unpack_e2m1
+
+    op = "tk_quant.reference.per_block_cast_lossless"
+    if fmt != "e4m3" or not round_sf:
+        raise ValueError(f"{op}: fmt must be 'e4m3' with round_sf=True, got {fmt!r}, round_sf={round_sf}")
+    q = check_quant_input(op, x, x_block_size, data_fmts=("e2m1",))
+    t, h = q.t, q.h
+    (bmi, bki), (bmo, bko) = x_block_size, out_block_size
+    layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, True)
+    dev = q.data.device
+    if q.sf.dtype == torch.int32:
+        from tk_core.formats import unpack_ue8m0
+
+        e_in = unpack_ue8m0(q.sf.contiguous(), q.nk)[: q.nm].to(torch.int32)
+        bad_in = e_in == 255
+    else:
+        bits = q.sf.float().contiguous()[: q.nm, : q.nk].view(torch.int32)
+        e_in = (bits >> 23) & 0xFF
+        bad_in = ((bits & -0x7F800001) != 0) | (e_in == 255)
+    e = expand_sf(e_in.float(), t, h, bmi, bki).to(torch.int32)  # per element (exact: <= 255)
+    bad = expand_sf(bad_in.float(), t, h, bmi, bki) != 0
+    nmo, nko = ceil_div(t, bmo), ceil_div(h, bko)
+    ep = torch.nn.functional.pad(e, (0, nko * bko - h, 0, nmo * bmo - t))
+    e_max = ep.view(nmo, bmo, nko, bko).amax(dim=(1, 3)) if t else torch.zeros((0, nko), dtype=torch.int32, device=dev)
+    e_out = torch.clamp_min(e_max - 6, 1)
+    e_out_el = expand_sf(e_out.float(), t, h, bmo, bko).to(torch.int32)
+    d = e - e_out_el
+    bad = bad | ((e != 0) & (d < -8))
+    mult = torch.where(e == 0, torch.zeros((), device=dev), pow2(torch.clamp_min(d, -126)))
+    vals = decode_e2m1(unpack_e2m1(q.data)) if t else torch.zeros((0, h), device=dev)
+    # magnitude * scale, then the sign: the kernel's byte LUT holds magnitudes and ORs the sign in
+    out = encode_e4m3(vals.abs() * mult).view(torch.uint8) | (torch.signbit(vals).to(torch.uint8) << 7)
+    out = out.view(torch.float8_e4m3fn)
+    sf_rows = pow2(e_out - 127)
+    n_err = int(bad.view(t, h // 32, 32).any(dim=2).sum()) if t else 0
+    return out, sf_to_layout(sf_rows, layout), n_err
+
+
+def per_channel_cast_fused(x, num_per_tokens: int, num_per_channels, round_sf: bool, pos_to_token=None):
+    """§9.7: gather rows (``pos_to_token``; negative or out-of-range -> zero row), then a per-channel e4m3
+    cast with blocks ``(num_per_tokens, 1)``. QuantTensor input ``(e4m3 (T, H), fp32 sf (T, H/bk))`` is
+    dequantized as ``v = decode(x) * s_in`` and quantized as ``(decode(x) * s_in) * sf_inv``, left to right.
+    Returns ``(out e4m3 (T_out, H), sf fp32 (ceil(T_out/bm), H))``."""
+    if isinstance(x, (tuple, list)):
+        data, s = x
+        v = data.float() * expand_sf(s.float(), data.shape[0], data.shape[1], 1, num_per_channels)
+    else:
+        v = x.float()
+    if pos_to_token is not None:
+        idx = pos_to_token.long()
+        valid = (idx >= 0) & (idx < v.shape[0])
+        v = v[idx.clamp(0, max(v.shape[0] - 1, 0))] if v.shape[0] else v.new_zeros((idx.shape[0], v.shape[1]))
+        v = torch.where(valid[:, None], v, torch.zeros((), device=v.device))
+    amax = _block_amax(v, num_per_tokens, 1)
+    sf_rows, sf_inv = compute_scales(amax, FMT_MAX["e4m3"], amax_clamp("e4m3"), round_sf)
+    out = encode_e4m3(v * expand_sf(sf_inv, v.shape[0], v.shape[1], num_per_tokens, 1))
+    return out, sf_rows
+
+
 # --- fused SwiGLU + casts (§7, §9.5, §9.6) --------------------------------------------------------
 #
 # SwiGLU of a row [g | u]: act = g / (1 + exp(-g)) * u in float32, in this order (``torch.exp`` matches CUDA
@@ -205,7 +285,8 @@ def _row_weights(e: int, pos_to_token_topk, topk_weights, device):
     flat = topk_weights.float().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros(e, device=device)
-    return torch.where(idx >= 0, flat[idx.clamp(0, flat.numel() - 1)], torch.zeros((), device=device))
+    valid = (idx >= 0) & (idx < flat.numel())  # like the kernels: out-of-range indices read weight 0
+    return torch.where(valid, flat[idx.clamp(0, flat.numel() - 1)], torch.zeros((), device=device))
 
 
 def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_value=None, clamped_count=None):
@@ -266,7 +347,7 @@ def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, n
         du = torch.where(chi | clo, zero, du)
     weight_grad = torch.zeros_like(weight, dtype=torch.float32)
     idx = pos_to_token_topk.long()
-    valid = idx >= 0
+    valid = (idx >= 0) & (idx < weight_grad.numel())
     if e:
         weight_grad.view(-1)[idx[valid]] = wgrad_dot(gf, act)[valid]
     return out, torch.cat([dg, du], dim=1), weight_grad
