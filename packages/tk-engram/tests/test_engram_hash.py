@@ -62,6 +62,20 @@ def test_reference_vs_python_integers(n):
     assert bool(((col >= 0) & (col < vocab.reshape(2, 1, -1))).all())
 
 
+def test_reference_image_token_mask():
+    ids, mult, vocab, offsets = _params(6)
+    mask = torch.tensor([True, False, False, True, False, True])
+    got = reference.engram_hash_ref(ids, mult, vocab, offsets, mask)
+    plain = reference.engram_hash_ref(ids, mult, vocab, offsets)
+    assert bool((got[:, mask] == -1).all())
+    assert_equal(got[:, ~mask], plain[:, ~mask])
+    assert_equal(tk_engram.engram_hash(ids, mult, vocab, offsets, mask), got)
+    with pytest.raises(TypeError, match="engram_hash: image_token_mask must be of dtype bool"):
+        tk_engram.engram_hash(ids, mult, vocab, offsets, mask.int())
+    with pytest.raises(ValueError, match=r"engram_hash: image_token_mask must be of shape \(6\)"):
+        tk_engram.engram_hash(ids, mult, vocab, offsets, mask[:5])
+
+
 def test_public_on_cpu_and_validation():
     ids, mult, vocab, offsets = _params(5)
     assert_equal(tk_engram.engram_hash(ids, mult, vocab, offsets), reference.engram_hash_ref(ids, mult, vocab, offsets))
@@ -84,9 +98,11 @@ def test_public_on_cpu_and_validation():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compile(arch):
-    src = assert_compiles(engram_hash_kernel, arch, num_layers=2, max_ngram=3, tables=8)
+@pytest.mark.parametrize("masked", [False, True])
+def test_compile(arch, masked):
+    src = assert_compiles(engram_hash_kernel, arch, num_layers=2, max_ngram=3, tables=8, masked=masked)
     assert "uint64_t" in src and "%" in src
+    assert ("Mask" in src) == masked
 
 
 # --- gpu tier -----------------------------------------------------------------------------------------
@@ -107,6 +123,17 @@ def test_gpu_vs_reference(num_tokens):
     wide = torch.zeros(num_tokens, 5, dtype=torch.int32, device=CUDA)
     wide[:, 1:4] = ids
     assert_equal(tk_engram.engram_hash(wide[:, 1:4], mult, vocab, offsets), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 300, 8001])
+def test_gpu_image_token_mask(num_tokens):
+    ids, mult, vocab, offsets = _params(num_tokens, device=CUDA)
+    mask = torch.rand(num_tokens, device=CUDA) < 0.3
+    out = torch.full((2, num_tokens, 16), 7, dtype=torch.int32, device=CUDA)
+    _engram_hash_op(ids, mult, vocab, offsets, out, mask)
+    assert_equal(out, reference.engram_hash_ref(ids, mult, vocab, offsets, mask))
+    torch.library.opcheck(_engram_hash_op.op, (ids, mult, vocab, offsets, out, mask))
 
 
 @pytest.mark.gpu

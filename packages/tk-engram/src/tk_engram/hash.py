@@ -18,8 +18,12 @@ Shapes and dtypes: ``ngram_token_ids`` int32 (T, N), N >= 2, inner-contiguous; `
 (L, T, (N-1)*J), contiguous, on the ids' device. T = 0 gives an empty output without a launch.
 Vocab sizes must be non-zero (a zero size is undefined on the GPU; the CPU reference raises).
 
-Kernel: grid (ceil(T/128), L), one thread per token and layer, everything in registers; N, J and L
-are compile-time, T is a runtime size. Deterministic and bit-exact against the reference.
+``image_token_mask`` (optional, bool (T,), as in TileKernels 2.1.0): masked (image) tokens get -1 in every
+output column of every layer.
+
+Kernel: grid (ceil(T/128), L), one thread per token and layer, everything in registers; N, J, L and
+whether a mask is given are compile-time, T and the ids' row stride are runtime. Deterministic and
+bit-exact against the reference.
 """
 
 import tilelang.language as T
@@ -36,20 +40,14 @@ THREADS = 128
 
 
 @kernel
-def engram_hash_kernel(num_layers: int, max_ngram: int, tables: int):
+def engram_hash_kernel(num_layers: int, max_ngram: int, tables: int, masked: bool = False):
     N, L, J = max_ngram, num_layers, tables
     C = (N - 1) * J
     nt = T.dynamic("num_tokens")
     s0 = T.dynamic("ids_stride0")
 
-    @T.prim_func
-    def hash_(
-        Ids: T.StridedTensor((nt, N), (s0, 1), "int32"),
-        Mult: T.Tensor((L, N), "int64"),
-        Vocab: T.Tensor((L, N - 1, J), "int32"),
-        Offsets: T.Tensor((L, C), "int32"),
-        Out: T.Tensor((L, nt, C), "int32"),
-    ):
+    @T.macro
+    def body(Ids, Mult, Vocab, Offsets, Out, Mask):
         with T.Kernel(T.ceildiv(nt, THREADS), L, threads=THREADS) as (bx, layer):
             tx = T.get_thread_binding()
             t = bx * THREADS + tx
@@ -74,6 +72,35 @@ def engram_hash_kernel(num_layers: int, max_ngram: int, tables: int):
                             Out[layer, t, (i - 1) * J + j] = T.cast(
                                 m + T.cast(Offsets[layer, (i - 1) * J + j], "int64"), "int32"
                             )
+                if masked:
+                    if Mask[t] != 0:
+                        for c in T.unroll(C):
+                            Out[layer, t, c] = T.int32(-1)
+
+    if masked:
+
+        @T.prim_func
+        def hash_masked(
+            Ids: T.StridedTensor((nt, N), (s0, 1), "int32"),
+            Mult: T.Tensor((L, N), "int64"),
+            Vocab: T.Tensor((L, N - 1, J), "int32"),
+            Offsets: T.Tensor((L, C), "int32"),
+            Out: T.Tensor((L, nt, C), "int32"),
+            Mask: T.Tensor((nt,), "uint8"),
+        ):
+            body(Ids, Mult, Vocab, Offsets, Out, Mask)
+
+        return hash_masked
+
+    @T.prim_func
+    def hash_(
+        Ids: T.StridedTensor((nt, N), (s0, 1), "int32"),
+        Mult: T.Tensor((L, N), "int64"),
+        Vocab: T.Tensor((L, N - 1, J), "int32"),
+        Offsets: T.Tensor((L, C), "int32"),
+        Out: T.Tensor((L, nt, C), "int32"),
+    ):
+        body(Ids, Mult, Vocab, Offsets, Out, None)
 
     return hash_
 
@@ -85,15 +112,19 @@ def _engram_hash_op(
     vocab_sizes: torch.Tensor,
     offsets: torch.Tensor,
     out: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> None:
     L, N = multipliers.shape
     J = vocab_sizes.shape[2]
-    engram_hash_kernel.get(out.device, num_layers=L, max_ngram=N, tables=J)(
-        ngram_token_ids, multipliers, vocab_sizes, offsets, out
-    )
+    masked = image_token_mask is not None
+    kern = engram_hash_kernel.get(out.device, num_layers=L, max_ngram=N, tables=J, masked=masked)
+    if masked:
+        kern(ngram_token_ids, multipliers, vocab_sizes, offsets, out, image_token_mask.view(torch.uint8))
+    else:
+        kern(ngram_token_ids, multipliers, vocab_sizes, offsets, out)
 
 
-def _check(ngram_token_ids, multipliers, vocab_sizes, offsets):
+def _check(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask=None):
     checks.check_dtype(OP, "ngram_token_ids", ngram_token_ids, torch.int32)
     checks.check_dtype(OP, "multipliers", multipliers, torch.int64)
     checks.check_dtype(OP, "vocab_sizes", vocab_sizes, torch.int32)
@@ -111,6 +142,10 @@ def _check(ngram_token_ids, multipliers, vocab_sizes, offsets):
     checks.check_shape(OP, "offsets", offsets, (L, (N - 1) * J))
     for name, t in (("multipliers", multipliers), ("vocab_sizes", vocab_sizes), ("offsets", offsets)):
         checks.check_same_device(OP, name, t, ngram_token_ids.device)
+    if image_token_mask is not None:
+        checks.check_dtype(OP, "image_token_mask", image_token_mask, torch.bool)
+        checks.check_shape(OP, "image_token_mask", image_token_mask, (ngram_token_ids.shape[0],))
+        checks.check_same_device(OP, "image_token_mask", image_token_mask, ngram_token_ids.device)
     return L, N, J
 
 
@@ -119,21 +154,26 @@ def engram_hash(
     multipliers: torch.Tensor,
     vocab_sizes: torch.Tensor,
     offsets: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Engram n-gram hash: int32 (L, T, (N-1)*J) row ids of the concatenated tables (see module doc).
+    """Engram n-gram hash: int32 (L, T, (N-1)*J) row ids of the concatenated tables (see module doc);
+    tokens flagged in the optional bool (T,) ``image_token_mask`` get -1 everywhere.
 
     Raises ``TypeError`` for wrong dtypes and ``ValueError`` for wrong shapes or devices.
     """
-    L, N, J = _check(ngram_token_ids, multipliers, vocab_sizes, offsets)
+    L, N, J = _check(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask)
     if ngram_token_ids.device.type != "cuda":
-        return reference.engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets)
+        return reference.engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask)
     num_tokens = ngram_token_ids.shape[0]
     out = torch.empty((L, num_tokens, (N - 1) * J), dtype=torch.int32, device=ngram_token_ids.device)
     if num_tokens == 0 or out.numel() == 0:
         return out
     if ngram_token_ids.stride(1) != 1:
         ngram_token_ids = ngram_token_ids.contiguous()
+    if image_token_mask is not None:
+        image_token_mask = image_token_mask.contiguous()
     _engram_hash_op(
-        ngram_token_ids, multipliers.contiguous(), vocab_sizes.contiguous(), offsets.contiguous(), out
+        ngram_token_ids, multipliers.contiguous(), vocab_sizes.contiguous(), offsets.contiguous(), out,
+        image_token_mask,
     )
     return out

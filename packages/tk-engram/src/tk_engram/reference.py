@@ -16,9 +16,14 @@ def make_offsets(vocab_sizes: torch.Tensor) -> torch.Tensor:
 
 
 def engram_hash_ref(
-    ngram_token_ids: torch.Tensor, multipliers: torch.Tensor, vocab_sizes: torch.Tensor, offsets: torch.Tensor
+    ngram_token_ids: torch.Tensor,
+    multipliers: torch.Tensor,
+    vocab_sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int32 (L, T, (N-1)*J): h ^= int64(id_i) * mult_i (wrapping); column block i-1 = floormod(h, vocab) + offset."""
+    """int32 (L, T, (N-1)*J): h ^= int64(id_i) * mult_i (wrapping); column block i-1 = floormod(h, vocab) + offset.
+    Tokens flagged in ``image_token_mask`` (bool (T,)) get -1 in every column of every layer."""
     L, N = multipliers.shape
     J = vocab_sizes.shape[2]
     ids = ngram_token_ids.to(torch.int64)
@@ -30,7 +35,10 @@ def engram_hash_ref(
             vocab = vocab_sizes[:, i - 1, :].to(torch.int64)[:, None, :]
             off = offsets[:, (i - 1) * J : i * J].to(torch.int64)[:, None, :]
             cols.append(torch.remainder(h[:, :, None], vocab) + off)
-    return torch.cat(cols, dim=-1).to(torch.int32)
+    out = torch.cat(cols, dim=-1).to(torch.int32)
+    if image_token_mask is not None:
+        out = torch.where(image_token_mask[None, :, None], torch.full_like(out, -1), out)
+    return out
 
 
 def fused_weight_ref(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
