@@ -415,7 +415,7 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
     COLS, CL, RPT = channel_tile(H, bm)
     WARPS = THREADS // 32
     offsets = [o for o in (1, 2, 4, 8, 16) if CL <= o < 32]
-    PADB = bm + 16  # transposed tile row (bytes), 16-byte aligned
+    PADC = COLS + 8  # row of the token-major staging tile (bytes): 8-byte aligned rows
     NCHUNK = COLS * bm // 16  # 16-byte chunks of the transposed tile
     NCH = ceil_div(NCHUNK, THREADS)  # per thread
     SEGS = bm // 16
@@ -446,7 +446,8 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
             siv = T.alloc_local((VEC,), "float32")
             red = T.alloc_shared((WARPS, COLS), "float32")
             if transpose:
-                tile = T.alloc_shared((COLS, PADB), "float8_e4m3fn")
+                tile = T.alloc_shared((bm, PADC), "float8_e4m3fn")
+                col16 = T.alloc_local((16,), "float8_e4m3fn")
             for r in T.unroll(RPT):
                 for i in T.vectorized(VEC):
                     xg[r, i] = x[by * bm + rl * RPT + r, col + i]
@@ -486,16 +487,20 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
                     for i in T.vectorized(VEC):
                         out[by * bm + rl * RPT + r, col + i] = q[r, i]
             else:
+                # token-major staging (8-byte conflict-free writes), then each thread gathers 16 tokens of
+                # one column (byte reads along a column) into a 16-byte store of the transposed output
                 for r in T.unroll(RPT):
-                    for i in T.unroll(VEC):
-                        tile[cl * VEC + i, rl * RPT + r] = q[r, i]
+                    for i in T.vectorized(VEC):
+                        tile[rl * RPT + r, cl * VEC + i] = q[r, i]
                 T.sync_threads()
                 for k in T.unroll(NCH):
                     j = (tx + k * THREADS) // SEGS
                     seg = (tx + k * THREADS) % SEGS
                     if NCHUNK % THREADS == 0 or tx + k * THREADS < NCHUNK:
+                        for i in T.unroll(16):
+                            col16[i] = tile[seg * 16 + i, j]
                         for i in T.vectorized(16):
-                            out[(bx * COLS + j) * (nt16 * 16) + by * bm + seg * 16 + i] = tile[j, seg * 16 + i]
+                            out[(bx * COLS + j) * (nt16 * 16) + by * bm + seg * 16 + i] = col16[i]
 
     return main
 
