@@ -15,10 +15,9 @@ Bytes as the anchor counts them:
 """
 
 import pytest
+import tk_quant
 import torch
 from tk_core.testing import count_bytes, generate_topk_idx
-
-import tk_quant
 from tk_quant import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]

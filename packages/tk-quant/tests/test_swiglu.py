@@ -4,14 +4,13 @@ import math
 from fractions import Fraction
 
 import pytest
+import tk_quant
 import torch
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major
 from tk_core.testing import assert_equal, calc_diff, generate_topk_idx
 from tk_core.testing.compile_check import assert_compiles
-
-import tk_quant
 from tk_quant import reference as R
 from tk_quant import swiglu as S
 
@@ -228,7 +227,7 @@ def test_public_functions_on_cpu_run_the_reference():
             torch.arange(16, dtype=torch.int32).view(8, 2), 32)
     got = tk_quant.swiglu_backward_and_per_token_cast(q, *args)
     want = R.swiglu_backward_and_per_token_cast(q, *args)
-    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3])):
+    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
         assert_equal(a, b)
     back = R.cast_back(got[1], "fp32", (1, 32))
     assert calc_diff(back, got[2].float()) < 2e-3
@@ -556,10 +555,10 @@ def test_gpu_backward(case):
     xg2, wg2 = _poison(torch.empty_like(got[2])), _poison(torch.empty_like(got[3]))
     S.swiglu_backward_and_per_token_cast_(q[0], q[1], grad, weight, ptt, outs[0], outs[1], flat, xg2, wg2, bk, layout,
                                           rnd, clamp, 1e-4)
-    for a, b in zip((outs[0], outs[1], sf2, xg2, wg2), (want[0], want[1][0], want[1][1], want[2], want[3])):
+    for a, b in zip((outs[0], outs[1], sf2, xg2, wg2), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
         assert_equal(a, b)
     again = BWD(*args)
-    for a, b in zip((again[0], again[1][0], again[2], again[3]), (got[0], got[1][0], got[2], got[3])):
+    for a, b in zip((again[0], again[1][0], again[2], again[3]), (got[0], got[1][0], got[2], got[3]), strict=True):
         assert_equal(a, b)
 
 
@@ -572,7 +571,7 @@ def test_gpu_backward_small(tokens):
     ttp.view(-1)[ptt[ptt >= 0].long()] = (ptt >= 0).nonzero().squeeze(1).int()
     got = BWD(q, grad, weight, ptt, ttp, 128, True, 0.5)
     want = R.swiglu_backward_and_per_token_cast(q, grad, weight, ptt, ttp, 128, True, 0.5)
-    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3])):
+    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
         assert_equal(a, b)
 
 
@@ -591,7 +590,7 @@ def test_gpu_backward_opcheck_compile_graph():
 
     eager = f(q[0], q[1], grad, weight, ptt, ttp)
     compiled = torch.compile(f, fullgraph=True)(q[0], q[1], grad, weight, ptt, ttp)
-    for a, b in zip(compiled, eager):
+    for a, b in zip(compiled, eager, strict=True):
         assert_equal(a, b)
     f(q[0], q[1], grad, weight, ptt, ttp)
     graph = torch.cuda.CUDAGraph()
@@ -599,7 +598,7 @@ def test_gpu_backward_opcheck_compile_graph():
         captured = f(q[0], q[1], grad, weight, ptt, ttp)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(captured, eager):
+    for a, b in zip(captured, eager, strict=True):
         assert_equal(a, b)
 
 

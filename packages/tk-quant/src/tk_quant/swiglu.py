@@ -53,9 +53,8 @@ whether a clamp (and counting) is on are compile-time.
 
 import math
 
-import torch
 import tilelang.language as T
-
+import torch
 from tk_core import checks
 from tk_core.config import get_amax_clamp
 from tk_core.jit import kernel
