@@ -130,6 +130,36 @@ def test_gradcheck_engram_gate_leading_dims_and_clamped_region():
     )
 
 
+def test_image_token_mask_reference_and_autograd_float64():
+    t, n, h = 6, 2, 64
+    x, k, v, wh, we = (a.requires_grad_() for a in _inputs(t, n, h, torch.float64))
+    mask = torch.tensor([False, True, False, False, True, False])
+    G = torch.randn(t, n, h, dtype=torch.float64)
+    out, dot, gate, rx, rk = reference.engram_gate_ref(x, k, v, wh, we, CLAMP, EPS, mask, save_for_backward=True)
+    assert_equal(out[mask], x[mask].detach())
+    assert bool((gate[mask] == 0).all()) and bool((gate[~mask] > 0).all())
+    out.backward(G)
+    w = reference.fused_weight_ref(wh.detach(), we.detach())
+    gx, gk, gv, partial = reference.engram_gate_bwd_ref(
+        G, x.detach(), k.detach(), v.detach(), w, dot.detach(), gate.detach(), rx.detach(), rk.detach(), CLAMP,
+        num_parts=2, image_token_mask=mask,
+    )
+    assert_equal(gx[mask], G[mask])
+    assert not gk[mask].any() and not gv[mask].any()
+    gwh, gwe = torch.zeros(n, h, dtype=torch.float64), torch.zeros(n, h, dtype=torch.float64)
+    reference.grad_w_reduce_ref(partial, wh.detach(), we.detach(), gwh, gwe)
+    for got, want in ((gx, x.grad), (gk, k.grad), (gv, v.grad), (gwh, wh.grad), (gwe, we.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    args = [a.detach().clone().requires_grad_() for a in (x, k, v, wh, we)]
+    assert torch.autograd.gradcheck(
+        lambda *a: tk_engram.engram_gate(*a, CLAMP, EPS, mask), args, eps=1e-6, atol=1e-6, rtol=1e-5
+    )
+    with pytest.raises(TypeError, match="engram_gate_fwd: image_token_mask must be of dtype bool"):
+        tk_engram.engram_gate_fwd(x.detach(), k.detach(), v.detach(), w, EPS, CLAMP, True, mask.int())
+    with pytest.raises(ValueError, match=r"engram_gate_bwd: image_token_mask must be of shape \(6\)"):
+        tk_engram.engram_gate_bwd(G, x.detach(), k.detach(), v.detach(), w, dot, gate, rx, rk, CLAMP, mask[:3])
+
+
 def test_engram_gate_inference_path_saves_nothing():
     x, k, v, wh, we = _inputs(5, 4, 64)
     packed = []
@@ -281,6 +311,15 @@ def test_compile_bwd_reduce_fused(arch, hidden):
 def test_compile_large_hidden(hidden, arch):
     assert_compiles(gate_fwd_kernel, arch, n=4, hidden=hidden, save=True, threads=threads_for(hidden))
     assert_compiles(gate_bwd_kernel, arch, n=4, hidden=hidden, threads=threads_for(hidden))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_masked(arch):
+    src = assert_compiles(gate_fwd_kernel, arch, n=4, hidden=7168, save=True, threads=128, masked=True)
+    assert "Mask[" in src
+    src = assert_compiles(gate_bwd_kernel, arch, n=4, hidden=7168, threads=128, masked=True)
+    assert "Mask[" in src and "atomic" not in src
 
 
 def test_threads_for_bounds_registers():
@@ -556,3 +595,30 @@ def test_gpu_prefetch_switch_does_not_change_results(monkeypatch):
         assert_equal(a, b)
     for a, b in zip(tk_engram.engram_gate_bwd(G, x, k, v, w, *fwd[1:], CLAMP), bwd):
         assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8001, 4, 7168), (77, 3, 576)])
+def test_gpu_image_token_mask(shape):
+    t, n, h = shape
+    x, k, v, wh, we, w = _gpu_inputs(t, n, h)
+    mask = torch.rand(t, device=CUDA) < 0.25
+    G = torch.randn(t, n, h, device=CUDA).bfloat16()
+    got = tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP, True, mask)
+    ref = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP, True, mask)
+    assert_equal(got[0][mask], x[mask])
+    assert calc_diff(got[0], ref[0]) < 1e-9
+    for a, b in zip(got[1:], ref[1:]):
+        assert calc_diff(a, b) < 1e-10
+    assert_equal(tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP, False, mask)[0], got[0])
+    parts = gate_mod.num_grad_w_parts(t, n, h, CUDA)
+    bwd = tk_engram.engram_gate_bwd(G, x, k, v, w, *got[1:], CLAMP, mask)
+    ref_b = reference.engram_gate_bwd_ref(G, x, k, v, w, *got[1:], CLAMP, num_parts=parts, image_token_mask=mask)
+    assert_equal(bwd[0][mask], G[mask])
+    assert not bwd[1][mask].view(torch.int16).any() and not bwd[2][mask].view(torch.int16).any()
+    for a, b in zip(bwd, ref_b):
+        assert calc_diff(a, b) < 1e-8
+    # the autograd path: masked tokens contribute nothing to the weights
+    xa, ka, va, wha, wea = (a.detach().clone().requires_grad_() for a in (x, k, v, wh, we))
+    tk_engram.engram_gate(xa, ka, va, wha, wea, CLAMP, EPS, mask).backward(G)
+    assert_equal(xa.grad[mask], G[mask])

@@ -61,7 +61,7 @@ def _prefetch_row(buf, index, bytes_):
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
+def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool = False):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest so the n CTAs sharing ``v[t]``
     run side by side (v is read from DRAM once, the other streams hit L2).
 
@@ -70,6 +70,8 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
     (kept in registers) and v, accumulates sum x^2, sum k^2 and sum x*w*k in float32 (fixed order), the
     sums are reduced over the warp (shuffles) and over the warps in a fixed order (shared memory,
     double-buffered by token parity: one barrier per token), then out = x + g * v is written.
+    With ``masked``, tokens whose uint8 ``Mask[t]`` is non-zero pass through (out = x bit for bit, saved
+    gate 0).
     """
     R = -(-hidden // (VEC * threads))
     W = threads // 32
@@ -77,7 +79,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
     lx, lk, lv = T.dynamic("len_x, len_k, len_v", "int64")
 
     @T.macro
-    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, nparts, prefetch):
+    def body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, Mask, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, nparts, prefetch):
         with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
             T.annotate_min_blocks_per_sm(fwd_blocks_per_sm(hidden))
             tx = T.get_thread_binding()
@@ -93,6 +95,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
             rxv = T.alloc_var(F32)
             rkv = T.alloc_var(F32)
             sv = T.alloc_var(F32)
+            mk = T.alloc_var("int32")
             t_begin = p * chunk
             t_end = T.min(t_begin + chunk, nt)
             for t in T.serial(t_begin, t_end):
@@ -104,6 +107,8 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
                     _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
                     _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)
                     _prefetch_row(V, vbase + sv0 * VEC, hidden * 2)
+                if masked:
+                    mk = T.cast(Mask[t], "int32")
                 for i in T.unroll(3):
                     acc[i] = T.float32(0)
                 for r in T.unroll(R):
@@ -147,16 +152,23 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
-                        for j in T.vectorized(VEC):
-                            Out[t, h, d0 + j] = T.cast(T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16)
+                        if masked:
+                            # image tokens pass straight through, bit for bit
+                            for j in T.vectorized(VEC):
+                                Out[t, h, d0 + j] = T.if_then_else(
+                                    mk != 0, xl[r, j], T.cast(T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16)
+                                )
+                        else:
+                            for j in T.vectorized(VEC):
+                                Out[t, h, d0 + j] = T.cast(T.cast(xl[r, j], F32) + gv * T.cast(vl[r, j], F32), BF16)
                 if save:
                     if tx == 0:
                         Dot[t, h] = acc[2]
-                        Gate[t, h] = gv
+                        Gate[t, h] = T.if_then_else(mk != 0, T.float32(0), gv) if masked else gv
                         Rx[t, h] = rxv
                         Rk[t, h] = rkv
 
-    if save:
+    if save and not masked:
 
         @T.prim_func
         def fwd_save(
@@ -180,35 +192,92 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int):
             num_parts: T.int32,
             prefetch: T.int32,
         ):
-            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
+            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
 
         return fwd_save
 
-    @T.prim_func
-    def fwd_nosave(
-        X: T.Tensor((lx,), BF16),
-        K: T.Tensor((lk,), BF16),
-        V: T.Tensor((lv,), BF16),
-        Wf: T.Tensor((n, hidden), F32),
-        Out: T.Tensor((nt, n, hidden), BF16),
-        sx0: T.int64,
-        sx1: T.int64,
-        sk0: T.int64,
-        sk1: T.int64,
-        sv0: T.int64,
-        eps: T.float32,
-        clamp: T.float32,
-        chunk: T.int32,
-        num_parts: T.int32,
-        prefetch: T.int32,
-    ):
-        body(X, K, V, Wf, Out, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
+    if not save and not masked:
 
-    return fwd_nosave
+        @T.prim_func
+        def fwd_nosave(
+            X: T.Tensor((lx,), BF16),
+            K: T.Tensor((lk,), BF16),
+            V: T.Tensor((lv,), BF16),
+            Wf: T.Tensor((n, hidden), F32),
+            Out: T.Tensor((nt, n, hidden), BF16),
+            sx0: T.int64,
+            sx1: T.int64,
+            sk0: T.int64,
+            sk1: T.int64,
+            sv0: T.int64,
+            eps: T.float32,
+            clamp: T.float32,
+            chunk: T.int32,
+            num_parts: T.int32,
+            prefetch: T.int32,
+        ):
+            body(X, K, V, Wf, Out, None, None, None, None, None, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
+
+        return fwd_nosave
+
+    if save and masked:
+
+        @T.prim_func
+        def fwd_save_masked(
+            X: T.Tensor((lx,), BF16),
+            K: T.Tensor((lk,), BF16),
+            V: T.Tensor((lv,), BF16),
+            Wf: T.Tensor((n, hidden), F32),
+            Out: T.Tensor((nt, n, hidden), BF16),
+            Dot: T.Tensor((nt, n), F32),
+            Gate: T.Tensor((nt, n), F32),
+            Rx: T.Tensor((nt, n), F32),
+            Rk: T.Tensor((nt, n), F32),
+            Mask: T.Tensor((nt,), "uint8"),
+            sx0: T.int64,
+            sx1: T.int64,
+            sk0: T.int64,
+            sk1: T.int64,
+            sv0: T.int64,
+            eps: T.float32,
+            clamp: T.float32,
+            chunk: T.int32,
+            num_parts: T.int32,
+            prefetch: T.int32,
+        ):
+            body(X, K, V, Wf, Out, Dot, Gate, Rx, Rk, Mask, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
+
+        return fwd_save_masked
+
+    if not save and masked:
+
+        @T.prim_func
+        def fwd_nosave_masked(
+            X: T.Tensor((lx,), BF16),
+            K: T.Tensor((lk,), BF16),
+            V: T.Tensor((lv,), BF16),
+            Wf: T.Tensor((n, hidden), F32),
+            Out: T.Tensor((nt, n, hidden), BF16),
+            Mask: T.Tensor((nt,), "uint8"),
+            sx0: T.int64,
+            sx1: T.int64,
+            sk0: T.int64,
+            sk1: T.int64,
+            sv0: T.int64,
+            eps: T.float32,
+            clamp: T.float32,
+            chunk: T.int32,
+            num_parts: T.int32,
+            prefetch: T.int32,
+        ):
+            body(X, K, V, Wf, Out, None, None, None, None, Mask, sx0, sx1, sk0, sk1, sv0, eps, clamp, chunk, num_parts, prefetch)
+
+        return fwd_nosave_masked
+    raise AssertionError("unreachable")
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_bwd_kernel(n: int, hidden: int, threads: int):
+def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
 
     CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
@@ -218,6 +287,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
     is split among the n CTAs of a chunk: CTA h computes the vectors (r, warp) with (r + warp) % n == h,
     reading the other streams' G (L2 hits: the n CTAs of a chunk run side by side). At the end the CTA
     writes its partial grad_w row ``Partial[p, h, :]`` (zeros when it had no token): no atomics.
+    With ``masked``, tokens whose uint8 ``Mask[t]`` is non-zero get grad_x = G (bit for bit), grad_k = 0,
+    grad_v = 0 and add nothing to grad_w.
     """
     R = -(-hidden // (VEC * threads))
     W = threads // 32
@@ -225,32 +296,9 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
     nparts = T.dynamic("num_parts")
     lg, lx, lk, lv = T.dynamic("len_g, len_x, len_k, len_v", "int64")
 
-    @T.prim_func
-    def bwd(
-        G: T.Tensor((lg,), BF16),
-        X: T.Tensor((lx,), BF16),
-        K: T.Tensor((lk,), BF16),
-        V: T.Tensor((lv,), BF16),
-        Wf: T.Tensor((n, hidden), F32),
-        Dot: T.Tensor((nt, n), F32),
-        Gate: T.Tensor((nt, n), F32),
-        Rx: T.Tensor((nt, n), F32),
-        Rk: T.Tensor((nt, n), F32),
-        GX: T.Tensor((nt, n, hidden), BF16),
-        GK: T.Tensor((nt, n, hidden), BF16),
-        GV: T.Tensor((nt, hidden), BF16),
-        Partial: T.Tensor((nparts, n, hidden), F32),
-        sg0: T.int64,
-        sg1: T.int64,
-        sx0: T.int64,
-        sx1: T.int64,
-        sk0: T.int64,
-        sk1: T.int64,
-        sv0: T.int64,
-        clamp: T.float32,
-        chunk: T.int32,
-        prefetch: T.int32,
-    ):
+    @T.macro
+    def body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk,
+             prefetch):
         with T.Kernel(nparts * n, threads=threads, prelude=PREFETCH_L2) as bid:
             T.annotate_min_blocks_per_sm(bwd_blocks_per_sm(hidden))
             tx = T.get_thread_binding()
@@ -277,6 +325,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
             ca = T.alloc_var(F32)
             cb = T.alloc_var(F32)
             g2 = T.alloc_var(F32)
+            mk = T.alloc_var("int32")
             for r in T.unroll(R):
                 for j in T.unroll(VEC):
                     acc[r, j] = T.float32(0)
@@ -295,6 +344,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
                     _prefetch_row(X, xbase + sx0 * VEC, hidden * 2)
                     _prefetch_row(K, kbase + sk0 * VEC, hidden * 2)
                     _prefetch_row(V, vbase + sv0 * VEC, hidden * 2)
+                if masked:
+                    mk = T.cast(Mask[t], "int32")
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
@@ -347,11 +398,23 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
                                 T.cast(kl[r, j], F32) * wl[j] - T.cast(xl[r, j], F32) * ca
                             )
                             ok[j] = ddot * (T.cast(xl[r, j], F32) * wl[j] - T.cast(kl[r, j], F32) * cb)
-                            acc[r, j] += ddot * T.cast(xl[r, j], F32) * T.cast(kl[r, j], F32)
-                        for j in T.vectorized(VEC):
-                            GX[t, h, d0 + j] = T.cast(ox[j], BF16)
-                        for j in T.vectorized(VEC):
-                            GK[t, h, d0 + j] = T.cast(ok[j], BF16)
+                            if masked:
+                                acc[r, j] = T.if_then_else(
+                                    mk != 0, acc[r, j], acc[r, j] + ddot * T.cast(xl[r, j], F32) * T.cast(kl[r, j], F32)
+                                )
+                            else:
+                                acc[r, j] += ddot * T.cast(xl[r, j], F32) * T.cast(kl[r, j], F32)
+                        if masked:
+                            # image tokens: grad_x = G bit for bit, grad_k = 0
+                            for j in T.vectorized(VEC):
+                                GX[t, h, d0 + j] = T.if_then_else(mk != 0, gl[r, j], T.cast(ox[j], BF16))
+                            for j in T.vectorized(VEC):
+                                GK[t, h, d0 + j] = T.if_then_else(mk != 0, T.bfloat16(0), T.cast(ok[j], BF16))
+                        else:
+                            for j in T.vectorized(VEC):
+                                GX[t, h, d0 + j] = T.cast(ox[j], BF16)
+                            for j in T.vectorized(VEC):
+                                GK[t, h, d0 + j] = T.cast(ok[j], BF16)
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden and (r + tx // 32) % n == h:
@@ -363,13 +426,79 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int):
                                 gtmp[j] = G[(t64 * sg0 + h2 * sg1) * VEC + d0 + j]
                             for j in T.unroll(VEC):
                                 gvacc[j] += g2 * T.cast(gtmp[j], F32)
-                        for j in T.vectorized(VEC):
-                            GV[t, d0 + j] = T.cast(gvacc[j], BF16)
+                        if masked:
+                            for j in T.vectorized(VEC):
+                                GV[t, d0 + j] = T.if_then_else(mk != 0, T.bfloat16(0), T.cast(gvacc[j], BF16))
+                        else:
+                            for j in T.vectorized(VEC):
+                                GV[t, d0 + j] = T.cast(gvacc[j], BF16)
             for r in T.unroll(R):
                 d0 = (r * threads + tx) * VEC
                 if d0 < hidden:
                     for j in T.vectorized(VEC):
                         Partial[p, h, d0 + j] = acc[r, j]
+
+
+    if masked:
+
+        @T.prim_func
+        def bwd_masked(
+            G: T.Tensor((lg,), BF16),
+            X: T.Tensor((lx,), BF16),
+            K: T.Tensor((lk,), BF16),
+            V: T.Tensor((lv,), BF16),
+            Wf: T.Tensor((n, hidden), F32),
+            Dot: T.Tensor((nt, n), F32),
+            Gate: T.Tensor((nt, n), F32),
+            Rx: T.Tensor((nt, n), F32),
+            Rk: T.Tensor((nt, n), F32),
+            GX: T.Tensor((nt, n, hidden), BF16),
+            GK: T.Tensor((nt, n, hidden), BF16),
+            GV: T.Tensor((nt, hidden), BF16),
+            Partial: T.Tensor((nparts, n, hidden), F32),
+            Mask: T.Tensor((nt,), "uint8"),
+            sg0: T.int64,
+            sg1: T.int64,
+            sx0: T.int64,
+            sx1: T.int64,
+            sk0: T.int64,
+            sk1: T.int64,
+            sv0: T.int64,
+            clamp: T.float32,
+            chunk: T.int32,
+            prefetch: T.int32,
+        ):
+            body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk, prefetch)
+
+        return bwd_masked
+
+    @T.prim_func
+    def bwd(
+        G: T.Tensor((lg,), BF16),
+        X: T.Tensor((lx,), BF16),
+        K: T.Tensor((lk,), BF16),
+        V: T.Tensor((lv,), BF16),
+        Wf: T.Tensor((n, hidden), F32),
+        Dot: T.Tensor((nt, n), F32),
+        Gate: T.Tensor((nt, n), F32),
+        Rx: T.Tensor((nt, n), F32),
+        Rk: T.Tensor((nt, n), F32),
+        GX: T.Tensor((nt, n, hidden), BF16),
+        GK: T.Tensor((nt, n, hidden), BF16),
+        GV: T.Tensor((nt, hidden), BF16),
+        Partial: T.Tensor((nparts, n, hidden), F32),
+        sg0: T.int64,
+        sg1: T.int64,
+        sx0: T.int64,
+        sx1: T.int64,
+        sk0: T.int64,
+        sk1: T.int64,
+        sv0: T.int64,
+        clamp: T.float32,
+        chunk: T.int32,
+        prefetch: T.int32,
+    ):
+        body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, None, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk, prefetch)
 
     return bwd
 

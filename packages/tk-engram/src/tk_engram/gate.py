@@ -105,15 +105,20 @@ def _gate_fwd_op(
     gate_score: torch.Tensor,
     rstd_x: torch.Tensor,
     rstd_k: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> None:
     n, hidden = weight_fused.shape
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
     chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
-    kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden))
+    masked = image_token_mask is not None
+    kern = gate_fwd_kernel.get(
+        out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden), masked=masked
+    )
+    mask = (image_token_mask.view(torch.uint8),) if masked else ()
     kern(
-        X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k,
+        X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k, *mask,
         sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH),
     )
 
@@ -127,14 +132,19 @@ def _gate_fwd_nosave_op(
     eps: float,
     clamp_value: float,
     out: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> None:
     n, hidden = weight_fused.shape
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
     chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
-    kern = gate_fwd_kernel.get(out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden))
-    kern(X, K, V, weight_fused, out, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH))
+    masked = image_token_mask is not None
+    kern = gate_fwd_kernel.get(
+        out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden), masked=masked
+    )
+    mask = (image_token_mask.view(torch.uint8),) if masked else ()
+    kern(X, K, V, weight_fused, out, *mask, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH))
 
 
 @device_op(
@@ -155,6 +165,7 @@ def _gate_bwd_op(
     grad_k: torch.Tensor,
     grad_v: torch.Tensor,
     grad_w_partial: torch.Tensor,
+    image_token_mask: torch.Tensor | None = None,
 ) -> None:
     n, hidden = weight_fused.shape
     num_tokens = grad_x.shape[0]
@@ -163,9 +174,11 @@ def _gate_bwd_op(
     X, (sx0, sx1) = _vec_view(hidden_states)
     K, (sk0, sk1) = _vec_view(k)
     V, (sv0,) = _vec_view(v)
-    kern = gate_bwd_kernel.get(grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden))
+    masked = image_token_mask is not None
+    kern = gate_bwd_kernel.get(grad_x.device, n=n, hidden=hidden, threads=threads_for(hidden), masked=masked)
+    mask = (image_token_mask.view(torch.uint8),) if masked else ()
     kern(
-        Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial,
+        Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial, *mask,
         sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk, int(PREFETCH),
     )
 
@@ -217,6 +230,15 @@ def _check_gate_inputs(op: str, hidden_states, k, v, weight_fused):
     return num_tokens, n, hidden
 
 
+def _check_mask(op: str, mask, num_tokens: int, device: torch.device):
+    if mask is None:
+        return None
+    checks.check_dtype(op, "image_token_mask", mask, torch.bool)
+    checks.check_shape(op, "image_token_mask", mask, (num_tokens,))
+    checks.check_same_device(op, "image_token_mask", mask, device)
+    return mask.contiguous()
+
+
 def _check_scalar(op: str, arg: str, value, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         checks.fail(op, arg, "a float", type(value).__name__, TypeError)
@@ -237,11 +259,14 @@ def engram_gate_fwd(
     eps: float,
     clamp_value: float,
     save_for_backward: bool = True,
+    image_token_mask: torch.Tensor | None = None,
 ):
     """Engram gate forward (see the module docstring for the math).
 
     Args: hidden_states and k (T, n, H), v (T, H): bf16 on CUDA, unit-stride last dimension, any other
-    strides; weight_fused (n, H) float32 (``fused_weight(w_h, w_e)``); eps >= 0; clamp_value > 0.
+    strides (k = kv[:, :n], v = kv[:, n] of a packed kv (T, n+1, H) need no copy); weight_fused (n, H)
+    float32 (``fused_weight(w_h, w_e)``); eps >= 0; clamp_value > 0; image_token_mask: optional bool (T,),
+    flagged (image) tokens pass through (out = x bit for bit, saved gate 0).
     Returns ``(out, dot, gate_score, rstd_x, rstd_k)``: out (T, n, H) in x's dtype, contiguous; the other
     four float32 (T, n), or None when ``save_for_backward`` is False.
     """
@@ -249,19 +274,24 @@ def engram_gate_fwd(
     num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
     eps = _check_scalar(op, "eps", eps, positive=False)
     clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
+    mask = _check_mask(op, image_token_mask, num_tokens, hidden_states.device)
     if hidden_states.device.type != "cuda":
-        return reference.engram_gate_fwd_ref(hidden_states, k, v, weight_fused, eps, clamp_value, save_for_backward)
+        return reference.engram_gate_fwd_ref(
+            hidden_states, k, v, weight_fused, eps, clamp_value, save_for_backward, mask
+        )
     weight_fused = weight_fused.contiguous()
     out = torch.empty((num_tokens, n, hidden), dtype=hidden_states.dtype, device=hidden_states.device)
     if not save_for_backward:
         if num_tokens:
-            _gate_fwd_nosave_op(hidden_states, k, v, weight_fused, eps, clamp_value, out)
+            _gate_fwd_nosave_op(hidden_states, k, v, weight_fused, eps, clamp_value, out, mask)
         return out, None, None, None, None
     dot, gate_score, rstd_x, rstd_k = (
         torch.empty((num_tokens, n), dtype=torch.float32, device=hidden_states.device) for _ in range(4)
     )
     if num_tokens:
-        _gate_fwd_op(hidden_states, k, v, weight_fused, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k)
+        _gate_fwd_op(
+            hidden_states, k, v, weight_fused, eps, clamp_value, out, dot, gate_score, rstd_x, rstd_k, mask
+        )
     return out, dot, gate_score, rstd_x, rstd_k
 
 
@@ -283,13 +313,15 @@ def engram_gate_bwd(
     rstd_x: torch.Tensor,
     rstd_k: torch.Tensor,
     clamp_value: float,
+    image_token_mask: torch.Tensor | None = None,
 ):
     """Engram gate backward from the forward's saved (T, n) float32 ``dot, gate_score, rstd_x, rstd_k``.
 
     grad_out has x's shape (bf16 on CUDA, unit-stride last dimension). Returns
     ``(grad_x, grad_k, grad_v, grad_w_partial)``: grad_x and grad_k (T, n, H), grad_v (T, H), contiguous, in
     the inputs' dtypes; grad_w_partial float32 (P, n, H) whose row sum is dL/d weight_fused (feed it to
-    ``grad_w_reduce``). Deterministic: no atomics.
+    ``grad_w_reduce``). Deterministic: no atomics. Tokens flagged in ``image_token_mask`` (bool (T,)) get
+    grad_x = grad_out, grad_k = grad_v = 0 and add nothing to the weight gradient.
     """
     op = "engram_gate_bwd"
     num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
@@ -303,9 +335,11 @@ def engram_gate_bwd(
         checks.check_same_device(op, name, t, hidden_states.device)
     clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
     device = hidden_states.device
+    mask = _check_mask(op, image_token_mask, num_tokens, device)
     if device.type != "cuda":
         return reference.engram_gate_bwd_ref(
-            grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value
+            grad_out, hidden_states, k, v, weight_fused, dot, gate_score, rstd_x, rstd_k, clamp_value,
+            image_token_mask=mask,
         )
     parts = num_grad_w_parts(num_tokens, n, hidden, device)
     grad_x = torch.empty((num_tokens, n, hidden), dtype=hidden_states.dtype, device=device)
@@ -317,7 +351,7 @@ def engram_gate_bwd(
     _gate_bwd_op(
         grad_out, hidden_states, k, v, weight_fused.contiguous(),
         dot.contiguous(), gate_score.contiguous(), rstd_x.contiguous(), rstd_k.contiguous(),
-        clamp_value, grad_x, grad_k, grad_v, grad_w_partial,
+        clamp_value, grad_x, grad_k, grad_v, grad_w_partial, mask,
     )
     return grad_x, grad_k, grad_v, grad_w_partial
 

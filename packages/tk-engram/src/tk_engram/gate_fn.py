@@ -1,6 +1,6 @@
 """``EngramGateFn`` and ``engram_gate``: the Engram gate as a differentiable function of the two weights.
 
-``engram_gate(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)`` with hidden_states and
+``engram_gate(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, image_token_mask=None)`` with hidden_states and
 k of shape [*, n, H], v [*, H], weights (n, H) bf16, returns out [*, n, H] = x + g * v as in ``gate.py``
 with ``weight_fused = fused_weight(weight_hidden, weight_embed)``.
 
@@ -39,24 +39,25 @@ def _accumulator(weight: torch.Tensor, like: torch.Tensor):
 
 class EngramGateFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps):
+    def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, image_token_mask=None):
         x, kk, vv = _flatten(hidden_states, k, v)
+        mask = None if image_token_mask is None else image_token_mask.reshape(-1)
         w = fused_weight(weight_hidden, weight_embed)
-        out, dot, gate, rstd_x, rstd_k = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, save_for_backward=True)
-        ctx.save_for_backward(x, kk, vv, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k)
+        out, dot, gate, rstd_x, rstd_k = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, True, mask)
+        ctx.save_for_backward(x, kk, vv, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k, mask)
         ctx.clamp_value = clamp_value
         ctx.shapes = (hidden_states.shape, k.shape, v.shape)
         return out.view(hidden_states.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, kk, vv, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k = ctx.saved_tensors
+        x, kk, vv, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k, mask = ctx.saved_tensors
         x_shape, k_shape, v_shape = ctx.shapes
         G = grad_out.reshape(x.shape)
         if G.stride(-1) != 1:
             G = G.contiguous()
         grad_x, grad_k, grad_v, partial = engram_gate_bwd(
-            G, x, kk, vv, w, dot, gate, rstd_x, rstd_k, ctx.clamp_value
+            G, x, kk, vv, w, dot, gate, rstd_x, rstd_k, ctx.clamp_value, mask
         )
         acc_h, main_h = _accumulator(weight_hidden, x)
         acc_e, main_e = _accumulator(weight_embed, x)
@@ -67,6 +68,7 @@ class EngramGateFn(torch.autograd.Function):
             grad_v.view(v_shape),
             None if main_h else acc_h,
             None if main_e else acc_e,
+            None,
             None,
             None,
         )
@@ -80,14 +82,18 @@ def engram_gate(
     weight_embed: torch.Tensor,
     clamp_value: float,
     eps: float,
+    image_token_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Engram gate out = x + g * v (see the module docstring); differentiable in all five tensors."""
+    """Engram gate out = x + g * v (see the module docstring); differentiable in all five tensors.
+    ``image_token_mask`` (optional bool [*]): flagged tokens pass through (out = x; grads to k, v and the
+    weights are zero for them)."""
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, k, v, weight_hidden, weight_embed)
     )
     if not needs_grad:
         x, kk, vv = _flatten(hidden_states, k, v)
         w = fused_weight(weight_hidden, weight_embed)
-        out = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, save_for_backward=False)[0]
+        mask = None if image_token_mask is None else image_token_mask.reshape(-1)
+        out = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, False, mask)[0]
         return out.view(hidden_states.shape)
-    return EngramGateFn.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps)
+    return EngramGateFn.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, image_token_mask)

@@ -64,12 +64,14 @@ def engram_gate_fwd_ref(
     eps: float,
     clamp_value: float,
     save_for_backward: bool = True,
+    image_token_mask: torch.Tensor | None = None,
 ):
     """out = x + g * v with g = sigmoid(sign(s) * sqrt(max(|s|, clamp))), s = dot * rx * rk / sqrt(H).
 
     x, k: (T, n, H); v: (T, H); weight_fused: (n, H). Computed in float32 (float64 if any input is float64),
     differentiable. Returns ``(out, dot, gate, rstd_x, rstd_k)`` (the last four None unless saving); out has
     x's dtype, the others the compute dtype, shape (T, n). sign(0) = 0, so s = 0 gives g = 1/2.
+    Tokens flagged in ``image_token_mask`` (bool (T,)) pass through: out = x, saved gate 0.
     """
     cd = _compute_dtype(hidden_states, k, v, weight_fused)
     x, kk, vv, w = hidden_states.to(cd), k.to(cd), v.to(cd), weight_fused.to(cd)
@@ -80,6 +82,9 @@ def engram_gate_fwd_ref(
     s = dot * rx * rk * _inv_sqrt(H, cd, x.device)
     gate = torch.sigmoid(torch.sign(s) * s.abs().clamp_min(clamp_value).sqrt())
     out = (x + gate.unsqueeze(-1) * vv.unsqueeze(-2)).to(hidden_states.dtype)
+    if image_token_mask is not None:
+        out = torch.where(image_token_mask[:, None, None], hidden_states, out)
+        gate = torch.where(image_token_mask[:, None], torch.zeros_like(gate), gate)
     if not save_for_backward:
         return out, None, None, None, None
     return out, dot, gate, rx, rk
@@ -93,9 +98,11 @@ def engram_gate_ref(
     weight_embed: torch.Tensor,
     clamp_value: float,
     eps: float,
+    image_token_mask: torch.Tensor | None = None,
     save_for_backward: bool = False,
 ):
-    """The whole gate from the two weights (differentiable): x [*, n, H], k [*, n, H], v [*, H].
+    """The whole gate from the two weights (differentiable): x [*, n, H], k [*, n, H], v [*, H], optional
+    bool mask [*] of image tokens (passed through).
 
     Returns out, or ``(out, dot, gate, rstd_x, rstd_k)`` with ``save_for_backward``.
     """
@@ -108,6 +115,7 @@ def engram_gate_ref(
         eps,
         clamp_value,
         True,
+        None if image_token_mask is None else image_token_mask.reshape(-1),
     )
     out = res[0].view(hidden_states.shape)
     return (out, *res[1:]) if save_for_backward else out
@@ -125,6 +133,7 @@ def engram_gate_bwd_ref(
     rstd_k: torch.Tensor,
     clamp_value: float,
     num_parts: int = 1,
+    image_token_mask: torch.Tensor | None = None,
 ):
     """Closed-form backward of ``engram_gate_fwd_ref`` from its saved (T, n) intermediates.
 
@@ -132,7 +141,8 @@ def engram_gate_bwd_ref(
     grad_x = G + ddot (k w - x dot rx^2 / H); grad_k = ddot (x w - k dot rk^2 / H); grad_v = sum_h g_h G_h;
     grad_w_partial[p] = sum over the tokens of chunk p (chunk = ceil(T / num_parts)) of ddot x k.
     Returns ``(grad_x, grad_k, grad_v, grad_w_partial)``; grads in the inputs' dtypes, partial in the
-    compute dtype, shape (num_parts, n, H).
+    compute dtype, shape (num_parts, n, H). Tokens flagged in ``image_token_mask``: grad_x = G, grad_k = 0,
+    grad_v = 0, no weight-gradient contribution.
     """
     cd = _compute_dtype(grad_out, hidden_states, k, v, weight_fused, dot)
     G, x, kk, vv, w = (t.to(cd) for t in (grad_out, hidden_states, k, v, weight_fused))
@@ -149,6 +159,12 @@ def engram_gate_bwd_ref(
     grad_k = dd * (x * w - kk * cb)
     grad_v = (g.unsqueeze(-1) * G).sum(-2)
     prod = dd * x * kk
+    if image_token_mask is not None:
+        m3 = image_token_mask[:, None, None]
+        grad_x = torch.where(m3, G, grad_x)
+        grad_k = torch.where(m3, torch.zeros_like(grad_k), grad_k)
+        grad_v = torch.where(image_token_mask[:, None], torch.zeros_like(grad_v), grad_v)
+        prod = torch.where(m3, torch.zeros_like(prod), prod)
     partial = torch.zeros((num_parts, n, H), dtype=cd, device=x.device)
     chunk = max(1, math.ceil(T_ / num_parts))
     for p in range(num_parts):
