@@ -1,4 +1,5 @@
-"""Fused SwiGLU + quantization: references (cpu), kernel compilation (compile), kernels vs references (gpu)."""
+"""Fused SwiGLU + quantization: references (cpu), kernel compilation (compile), kernels vs references (gpu;
+TK_FULL_TEST=1 widens the gpu grids to the 1.0.0 matrices)."""
 
 import math
 from fractions import Fraction
@@ -9,7 +10,7 @@ import torch
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major
-from tk_core.testing import assert_equal, calc_diff, generate_topk_idx
+from tk_core.testing import assert_equal, calc_diff, full_test, generate_topk_idx
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference as R
 from tk_quant import swiglu as S
@@ -431,6 +432,18 @@ FWD_GPU_CASES = [
     (1024, 1024, (False, True, False), torch.bfloat16, True, "mapped", 0.5),
     (2048, 128, (True, False, False), torch.bfloat16, False, "none", None),
 ]
+if full_test():  # TK_FULL_TEST: the 1.0.0 grid (hidden sizes x bk x layouts x masks x weights x clamps)
+    FWD_GPU_CASES += [
+        (h, bk, lay, torch.bfloat16, pe, wm, cl)
+        for h in (1024, 1280, 1536, 2048, 3072, 3584)
+        for bk in (128, h)
+        for lay in ((False, True, False), (True, True, True))
+        if not (bk == h and lay[0])
+        for pe in (True, False)
+        for wm in ("none", "mapped")
+        if not (wm == "mapped" and lay[2])
+        for cl in (None, 10.0, 0.5)
+    ]
 
 
 @pytest.mark.gpu
@@ -531,6 +544,14 @@ BWD_GPU_CASES = [
     (1152, 128, True, 0.5, (True, True)),
     (2560, 32, False, None, (True, False)),
 ]
+if full_test():
+    BWD_GPU_CASES += [
+        (h, bk, rnd, cl, (False, False))
+        for h in (2048, 2560, 3072, 4096, 6144, 7168)
+        for bk in (32, 128)
+        for rnd in (False, True)
+        for cl in (None, 10.0, 0.5)
+    ]
 
 
 @pytest.mark.gpu
@@ -611,6 +632,17 @@ CHAN_GPU_CASES = [
     (128, 576, 128, True, False, 0.5),
     (0, 1024, 32, True, True, None),
 ]
+if full_test():
+    CHAN_GPU_CASES += [
+        (t, h, bm, rnd, tr, cl)
+        for t in (4096, 8064)
+        for h in (576, 2048, 2560, 3072, 4096, 6144, 7168)
+        for bm in (32, 128)
+        for rnd in (True, False)
+        for tr in (True, False)
+        for cl in (None, 10.0, 0.5)
+        if t % bm == 0
+    ]
 
 
 @pytest.mark.gpu
