@@ -520,11 +520,13 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
 
 
 @kernel
-def decode_proj_kernel(dtype: str, d_mem: int, d: int, block_m: int = 64, block_n: int = 64, block_k: int = 64,
+def decode_proj_kernel(dtype: str, d_mem: int, d: int, block_m: int = 64, block_n: int = 32, block_k: int = 128,
                        stages: int = 4):
     """out = e @ W (float32 accumulation on tensor cores, rounded to ``dtype``); launched once for W_K and
     once for W_V. Grid: (d / block_n, batch / block_m); each CTA streams one block_n-wide column panel of W
-    through a ``stages``-deep pipeline, so W is read once whatever the batch (up to block_m rows)."""
+    through a ``stages``-deep TMA pipeline, so W is read once whatever the batch (up to block_m rows).
+    block_n = 32 gives d/32 CTAs (128 at d = 4096: about one per SM) with stages*block_k*block_n*2 = 32 KiB
+    of W in flight each."""
     B = T.dynamic("batch")
     f32 = "float32"
 
