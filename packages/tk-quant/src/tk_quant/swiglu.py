@@ -100,7 +100,7 @@ def _sf_value(layout: str, s):
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
-def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str, round_sf: bool, clamp_mode: str, warps: int = 8):
+def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str, round_sf: bool, clamp_mode: str, warps: int = 4):
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -261,7 +261,7 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
-def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool, clamp_on: bool, warps: int = 8):
+def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool, clamp_on: bool, warps: int = 4):
     H = hidden
     E = T.dynamic("num_rows")
     n_w = T.dynamic("n_w")
