@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, calc_diff
 from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes
@@ -82,7 +81,7 @@ def test_bwd_reference_matches_autograd_float64(taps, dilation):
     dY = torch.randn_like(Y)
     Y.backward(dY)
     got = reference.gate_conv_bwd_ref(dY, *x, *out[2:6], dilation)
-    for g, leaf in zip(got, leaves):
+    for g, leaf in zip(got, leaves, strict=False):
         torch.testing.assert_close(g, leaf.grad, rtol=1e-10, atol=1e-12)
 
 
@@ -101,7 +100,7 @@ def test_autograd_function_bf16_cpu_matches_float64():
     Y64 = reference.gate_conv_fwd_ref(*l64, 1, 1e-6)[0]
     Y64.backward(dY.double())
     assert calc_diff(Y, Y64) < 1e-4
-    for a, b in zip(xb, l64):
+    for a, b in zip(xb, l64, strict=False):
         assert a.grad.dtype == torch.bfloat16
         assert calc_diff(a.grad, b.grad) < 1e-3
 
@@ -153,7 +152,7 @@ def test_public_cpu_bf16_shapes_and_dtypes():
     assert [t.dtype for t in g] == [torch.bfloat16] * 3 + [torch.float32] * 3
     assert g[5].shape == (4, 16)
     bwd = EngramGateConvBwdOp(4, 2, target="torch")
-    for p, q in zip(bwd(dY, *x, a, rh, rk, rv), g):
+    for p, q in zip(bwd(dY, *x, a, rh, rk, rv), g, strict=False):
         assert_equal(p, q)
 
 
@@ -279,14 +278,14 @@ def test_gpu_fwd_matches_reference(M, T, d, taps, dilation, dtype):
     ref = reference.gate_conv_fwd_ref(*x, dilation, 1e-6)
     _poison()
     out = engram_gate_conv_fwd(*x, dilation=dilation)
-    for name, o, r in zip(("Y", "vhat", "alpha", "rrms_h", "rrms_k", "rrms_v", "state"), out, ref):
+    for name, o, r in zip(("Y", "vhat", "alpha", "rrms_h", "rrms_k", "rrms_v", "state"), out, ref, strict=False):
         assert o.shape == r.shape and o.dtype == r.dtype, name
         assert not o.float().isnan().any(), name
         tol = dict(rtol=1e-4, atol=1e-5) if o.dtype == torch.float32 else _tol(dtype)
         torch.testing.assert_close(o.float(), r.float(), **tol, msg=name)
         assert calc_diff(o, r) < 1e-5, name
     again = engram_gate_conv_fwd(*x, dilation=dilation)
-    for o, p in zip(out, again):
+    for o, p in zip(out, again, strict=False):
         assert_equal(o, p)
 
 
@@ -299,12 +298,12 @@ def test_gpu_bwd_matches_reference_and_is_deterministic(M, T, d, taps, dilation,
     ref = reference.gate_conv_bwd_ref(dY, *x, *stats, dilation)
     _poison()
     out = engram_gate_conv_bwd(dY, *x, *stats, dilation=dilation)
-    for name, o, r in zip(("dH", "dk", "dv", "drms_w_h", "drms_w_v", "dconv_w"), out, ref):
+    for name, o, r in zip(("dH", "dk", "dv", "drms_w_h", "drms_w_v", "dconv_w"), out, ref, strict=False):
         assert o.shape == r.shape and o.dtype == r.dtype, name
         assert not o.float().isnan().any(), name
         assert calc_diff(o, r) < 1e-4, name
     again = engram_gate_conv_bwd(dY, *x, *stats, dilation=dilation)
-    for o, p in zip(out, again):
+    for o, p in zip(out, again, strict=False):
         assert_equal(o, p)
 
 
@@ -334,7 +333,7 @@ def test_gpu_autograd_chain_matches_float64():
     Y64 = reference.gate_conv_fwd_ref(*l64, 2, 1e-6)[0]
     Y64.backward(dY.double().cpu())
     assert calc_diff(Y.cpu(), Y64) < 1e-4
-    for a, b in zip(leaves, l64):
+    for a, b in zip(leaves, l64, strict=False):
         assert calc_diff(a.grad.cpu(), b.grad) < 2e-3
 
 
@@ -356,10 +355,10 @@ def test_gpu_opcheck_compile_and_cuda_graph():
                           (dY, *x, *fw[2:6], *grads, part, torch.empty(1, 1, 1, device="cuda"), 1))
     eager = engram_gate_conv_fwd(*x)
     compiled = torch.compile(engram_gate_conv_fwd, fullgraph=True)(*x)
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=False):
         assert_equal(a, b)
     cb = torch.compile(engram_gate_conv_bwd, fullgraph=True)(dY, *x, *fw[2:6])
-    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), cb):
+    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), cb, strict=False):
         assert_equal(a, b)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -368,9 +367,9 @@ def test_gpu_opcheck_compile_and_cuda_graph():
         g_bwd = engram_gate_conv_bwd(dY, *x, *g_out[2:6])
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(eager, g_out):
+    for a, b in zip(eager, g_out, strict=False):
         assert_equal(a, b)
-    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), g_bwd):
+    for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), g_bwd, strict=False):
         assert_equal(a, b)
 
 

@@ -12,7 +12,6 @@ sequence, recomputing a halo of ``taps - 1`` chain tokens before (and, in the ba
 import math
 
 import tilelang.language as T
-
 from tk_core.jit import kernel
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)
@@ -20,10 +19,14 @@ VEC = 8  # elements per 16-byte access (float16 / bfloat16)
 
 def row_layout(d: int) -> tuple[int, int]:
     """(slots, threads) for a d-row: slots * threads * 8 >= d, threads a multiple of 32, at most 1024."""
-    nvec = -(-d // VEC)
-    slots = -(-nvec // 1024)
-    threads = -(-(-(-nvec // slots)) // 32) * 32
+    nvec = _cdiv(d, VEC)
+    slots = _cdiv(nvec, 1024)
+    threads = _cdiv(_cdiv(nvec, slots), 32) * 32
     return slots, threads
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @kernel
@@ -444,7 +447,7 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
     ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns."""
     R = taps - 1
     RS = max(R, 1)
-    NCB = -(-d // (VEC * threads))
+    NCB = _cdiv(d, VEC * threads)
     M = T.dynamic("M")
     L = T.dynamic("seq_len")
     NP = T.dynamic("num_parts")

@@ -24,13 +24,12 @@ The two B*d intermediate k, v (written and read once) are not counted.
 """
 
 import torch
-
 from tk_core import checks
 from tk_core.library import device_op
 
 from . import reference
 from ._gate_conv_kernels import decode_proj_kernel, decode_step_kernel
-from .gate_conv import _TL_DTYPES, _CPU_DTYPES, _aligned, _check_params, _check_target, _resolve_target
+from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
 
 def decode_roofline_bytes(B: int, d_mem: int, d: int, taps: int, elem: int = 2) -> int:

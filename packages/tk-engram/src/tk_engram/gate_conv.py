@@ -41,7 +41,6 @@ Halo re-reads (w-1 chain tokens per 64) and the per-CTA partials are not counted
 """
 
 import torch
-
 from tk_core import checks
 from tk_core.library import device_op
 
@@ -89,11 +88,11 @@ def _check_inputs(op: str, names, seqs, weights, conv_w):
     x0 = seqs[0]
     checks.check_tensor(op, names[0], x0)
     allowed = tuple(_TL_DTYPES) if x0.is_cuda else _CPU_DTYPES
-    for name, x in zip(names, seqs):
+    for name, x in zip(names, seqs, strict=False):
         checks.check_dtype(op, name, x, allowed)
         checks.check_ndim(op, name, x, 3)
     M, T, d = x0.shape
-    for name, x in zip(names, seqs):
+    for name, x in zip(names, seqs, strict=False):
         if x.dtype != x0.dtype:
             checks.fail(op, name, f"of dtype {x0.dtype} like {names[0]}", x.dtype, TypeError)
         checks.check_shape(op, name, x, (M, T, d))
