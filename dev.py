@@ -1,0 +1,22 @@
+#!/usr/bin/env python3
+"""Runs a nox session of this repository on a machine that has only Python and pip.
+
+    python3 dev.py -s demo      run every op and compare it with its reference
+    python3 dev.py -s tests     the test tiers this machine can run
+
+The first call installs nox into .venv-tools/; every argument is passed to nox.
+"""
+
+import os
+import subprocess
+import sys
+import venv
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+TOOLS = os.path.join(ROOT, ".venv-tools")
+NOX = os.path.join(TOOLS, "bin", "nox")
+
+if not os.path.exists(NOX):
+    venv.create(TOOLS, with_pip=True)
+    subprocess.run([os.path.join(TOOLS, "bin", "python"), "-m", "pip", "install", "-q", "nox"], check=True)
+os.execv(NOX, [NOX, "-f", os.path.join(ROOT, "noxfile.py"), *sys.argv[1:]])
