@@ -5,7 +5,7 @@ import torch
 from tk_core.formats import decode_e2m1, unpack_e2m1
 from tk_core.jit import ARCHS
 from tk_core.layout import ceil_div
-from tk_core.testing import assert_equal, calc_diff
+from tk_core.testing import assert_equal, calc_diff, opcheck
 from tk_core.testing.compile_check import assert_compiles
 
 import tk_quant
@@ -156,7 +156,7 @@ def test_gpu_opcheck_compile_and_graph():
     x = torch.randn(257, 2048, device=CUDA)
     q = reference.cast(x, "e2m1", (1, 128), round_sf=True, use_tma_aligned_col_major_sf=True, use_packed_ue8m0=True)
     out = torch.empty(257, 2048, device=CUDA, dtype=torch.bfloat16)
-    torch.library.opcheck(_cast_back_op.op, (q[0], q[1], out, 1, 128, ""))
+    opcheck(_cast_back_op.op, (q[0], q[1], out, 1, 128, ""))
 
     def f(d, s):
         return tk_quant.per_token_cast_back((d, s), "bf16", 128)

@@ -5,7 +5,7 @@ import torch
 
 from tk_core.formats import compute_scales, encode_e2m1, encode_e4m3, pack_e2m1
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal
+from tk_core.testing import assert_equal, opcheck
 from tk_quant import reference
 from tk_quant.per_block_cast import (
     per_block_cast,
@@ -186,7 +186,7 @@ def test_opcheck_compile_graph():
     x = torch.randn(257, 512, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(257, 512, device="cuda", dtype=torch.float8_e4m3fn)
     flat = torch.empty(9 * 4, device="cuda")
-    torch.library.opcheck(per_block_cast_.op, (x, out, flat, "e4m3", 32, 128, "row", True, 1e-4))
+    opcheck(per_block_cast_.op, (x, out, flat, "e4m3", 32, 128, "row", True, 1e-4))
     ref = per_block_cast(x, "e4m3", (32, 128), round_sf=True)
     got = torch.compile(lambda v: per_block_cast(v, "e4m3", (32, 128), round_sf=True), fullgraph=True)(x)
     assert_equal(got[0], ref[0]) and assert_equal(got[1], ref[1])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal
+from tk_core.testing import assert_equal, opcheck
 from tk_core.testing.generators import generate_rand_float
 from tk_quant import reference
 from tk_quant.per_block_cast_lossless import per_block_cast_lossless, per_block_cast_lossless_, per_block_cast_lossless_kernel
@@ -150,7 +150,7 @@ def test_errors_poison_opcheck_compile_graph():
     ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
     assert_equal(out, ref[0])
     assert_equal(flat.view(256, 4), ref[1])
-    torch.library.opcheck(per_block_cast_lossless_.op, (xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row"))
+    opcheck(per_block_cast_lossless_.op, (xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row"))
     fn = torch.compile(lambda a, b: per_block_cast_lossless((a, b), "e4m3", (1, 32), (1, 128), check=False), fullgraph=True)
     got = fn(*xq)
     assert_equal(got[0], ref[0])

@@ -5,7 +5,7 @@ import torch
 
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal
+from tk_core.testing import assert_equal, opcheck
 from tk_quant import reference
 from tk_quant.per_channel_cast import (
     per_channel_cast,
@@ -177,7 +177,7 @@ def test_opcheck_compile_graph():
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(256, 512, device="cuda", dtype=torch.float8_e4m3fn)
     sf = torch.empty(16, 256, device="cuda")
-    torch.library.opcheck(per_channel_cast_.op, (x, out, sf, 32, True, True, 1e-4))
+    opcheck(per_channel_cast_.op, (x, out, sf, 32, True, True, 1e-4))
     ref = per_channel_cast_and_transpose(x, "e4m3", 32, True)
     got = torch.compile(lambda v: per_channel_cast_and_transpose(v, "e4m3", 32, True), fullgraph=True)(x)
     assert_equal(got[0], ref[0]) and assert_equal(got[1], ref[1])

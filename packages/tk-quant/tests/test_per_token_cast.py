@@ -7,7 +7,7 @@ import torch
 from tk_core.formats import reinterpret, decode_e2m1, encode_e4m3, unpack_e2m1
 from tk_core.jit import ARCHS
 from tk_core.layout import align, ceil_div, sf_to_row_major
-from tk_core.testing import assert_equal, check_bias
+from tk_core.testing import assert_equal, check_bias, opcheck
 from tk_core.testing.compile_check import assert_compiles
 
 import tk_quant
@@ -366,7 +366,7 @@ def test_gpu_opcheck_compile_and_graph():
     x = torch.randn(257, 2048, device=CUDA)
     out = torch.empty(257, 1024, dtype=torch.int8, device=CUDA)
     sf = torch.empty(257, 64, device=CUDA)
-    torch.library.opcheck(_per_token_cast_op.op, (x, None, out, sf, "e2m1", 32, 1, 16, True, "cast", 6 * 2.0**-126))
+    opcheck(_per_token_cast_op.op, (x, None, out, sf, "e2m1", 32, 1, 16, True, "cast", 6 * 2.0**-126))
 
     def f(x):
         return tk_quant.per_token_cast(x, "e4m3", 128, None, True, True, True)

@@ -38,7 +38,7 @@ import torch
 import tilelang.language as T
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.jit import kernel
-from tk_core.layout import ceil_div
+from tk_core.layout import ceil_div, sf_to_row_major
 from tk_core.library import device_op
 
 from . import reference
@@ -335,13 +335,15 @@ def _per_token_cast_op(
     x_bm: int,
     x_bk: int,
     round_sf: bool,
-    mode: str,
+    kind: str,
     clamp_min: float,
 ) -> None:
+    # ``kind`` is the kernel's mode; an op argument named ``mode`` clashes with torch.compile's
+    # auto-functionalization.
     x = _vector_ready(x)
     hidden = 2 * x.shape[1] if x.dtype == torch.int8 else x.shape[1]
     in_sf = sf_kind(x_sf) if x_sf is not None else None
-    params = dict(in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=hidden, bk=num_per_channels, round_sf=round_sf, mode=mode)
+    params = dict(in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=hidden, bk=num_per_channels, round_sf=round_sf, mode=kind)
     if out_sf is not None:
         params["sf_out"] = sf_kind(out_sf)
     if in_sf is not None:
@@ -518,5 +520,7 @@ def per_token_cast_with_precomputed_sf(
         return data
     data = alloc_data(fmt, t, h, device) if out is None else _check_out(op, out, fmt, t, h, device)
     if t:
+        # The kernel reads dequant scales as row-major fp32; any other layout is decoded first.
+        sf = sf_to_row_major(sf, nk)
         _per_token_cast_op(x, sf, data, None, fmt, num_per_channels, 1, num_per_channels, False, "cast_only", 0.0)
     return data

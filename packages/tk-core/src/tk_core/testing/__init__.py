@@ -9,7 +9,7 @@ from .generators import (
     generate_rand_float,
     generate_topk_idx,
 )
-from .numeric import assert_equal, calc_diff, check_bias, count_bytes
+from .numeric import assert_equal, calc_diff, check_bias, count_bytes, opcheck
 
 __all__ = [
     "assert_equal",
@@ -23,4 +23,5 @@ __all__ = [
     "generate_num_tokens",
     "generate_rand_float",
     "generate_topk_idx",
+    "opcheck",
 ]

@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from ..formats import reinterpret
+
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """``sum((x-y)^2) / sum(x^2 + y^2)`` in float64: 0 for identical tensors, at most 2.
@@ -19,7 +21,7 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _byte_view(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().flatten().view(torch.uint8)
+    return reinterpret(x, torch.uint8).flatten() if x.dim() else x.reshape(1).view(torch.uint8)
 
 
 def assert_equal(x: torch.Tensor, y: torch.Tensor, check_dtype=True, check_shape=True, check_stride=False, max_report=8):
@@ -81,3 +83,17 @@ def count_bytes(*tensors) -> int:
         else:
             total += t.numel() * t.element_size()
     return total
+
+
+def opcheck(op, args: tuple, kwargs: dict | None = None):
+    """``torch.library.opcheck`` of a registered op.
+
+    torch's ``test_schema`` cannot run ops with float8 tensor arguments (it multiplies tensors, which
+    torch does not implement for float8), so for those it is left out; the fake-tensor, autograd
+    registration and AOT-dispatch checks still run.
+    """
+    tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
+        utils = utils[1:]
+    return torch.library.opcheck(op, args, kwargs, test_utils=utils)
