@@ -65,6 +65,9 @@ from . import _tl
 from .per_block_cast import alloc_sf_storage
 
 E4M3_MAX = 448.0
+# Lane l of a row's warp owns columns it*SPAN + c*256 + l*8 + i (c < U, i < VEC); the backward's weight-grad
+# dot product adds its products in (it, c, i) order, then xor-butterflies over the lanes:
+# ``reference.wgrad_dot`` mirrors exactly this order, so change both together.
 VEC = 8  # columns per lane and chunk
 U = 2  # chunks per lane and iteration
 SPAN = 32 * VEC * U  # columns per warp iteration
