@@ -10,7 +10,7 @@ import torch
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major
-from tk_core.testing import assert_equal, calc_diff, full_test, generate_topk_idx
+from tk_core.testing import assert_equal, calc_diff, full_test, generate_topk_idx, opcheck
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference as R
 from tk_quant import swiglu as S
@@ -502,7 +502,7 @@ def test_gpu_forward_per_token_opcheck_compile_graph():
     out = torch.empty((e, 1024), dtype=torch.float8_e4m3fn, device=DEV)
     flat, _ = S.alloc_sf_storage(e, 8, "packed", x.device)
     cnt = torch.zeros(4, dtype=torch.int64, device=DEV)
-    torch.library.opcheck(S.swiglu_forward_and_per_token_cast_.op,
+    opcheck(S.swiglu_forward_and_per_token_cast_.op,
                           (x, pe, ptt, w, out, flat, cnt, 128, "packed", True, 0.5, 1e-4))
 
     def f(x, pe, ptt, w, cnt):
@@ -602,7 +602,7 @@ def test_gpu_backward_opcheck_compile_graph():
     e = q[0].shape[0]
     bufs = (torch.empty(e, 1024, dtype=torch.bfloat16, device=DEV), torch.empty(e, 2048, dtype=torch.float8_e4m3fn, device=DEV),
             torch.empty(e * 16, device=DEV), torch.empty(e, 2048, dtype=torch.bfloat16, device=DEV), torch.empty_like(weight))
-    torch.library.opcheck(S.swiglu_backward_and_per_token_cast_.op,
+    opcheck(S.swiglu_backward_and_per_token_cast_.op,
                           (q[0], q[1], grad, weight, ptt, *bufs, 128, "row", True, 0.5, 1e-4))
 
     def f(xq, xs, grad, weight, ptt, ttp):
@@ -680,7 +680,7 @@ def test_gpu_forward_per_channel_opcheck_compile_graph():
     x = torch.randn(256, 2 * 1024, device=DEV).bfloat16()
     out = torch.empty(1024, 256, dtype=torch.float8_e4m3fn, device=DEV)
     sf = torch.empty(8, 1024, device=DEV)
-    torch.library.opcheck(S.swiglu_forward_and_per_channel_cast_and_transpose_.op, (x, out, sf, 32, True, True, 0.5, 1e-4))
+    opcheck(S.swiglu_forward_and_per_channel_cast_and_transpose_.op, (x, out, sf, 32, True, True, 0.5, 1e-4))
 
     def f(x):
         return CHAN(x, "e4m3", 32, True, False, 0.5)
