@@ -10,10 +10,9 @@ Bytes as the anchor counts them:
 """
 
 import pytest
+import tk_engram
 import torch
 from tk_core.testing import count_bytes
-
-import tk_engram
 from tk_engram import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]

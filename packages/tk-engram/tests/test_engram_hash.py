@@ -1,12 +1,11 @@
 """engram_hash and make_offsets: cpu, compile and gpu tiers."""
 
 import pytest
+import tk_engram
 import torch
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, generate_num_tokens
 from tk_core.testing.compile_check import assert_compiles
-
-import tk_engram
 from tk_engram import reference
 from tk_engram.hash import _engram_hash_op, engram_hash_kernel
 

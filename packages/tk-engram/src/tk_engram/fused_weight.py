@@ -11,7 +11,6 @@ Kernel: 8 columns (one 16-byte load per weight, two 16-byte stores) per thread o
 """
 
 import torch
-
 from tk_core import checks
 from tk_core.library import device_op
 

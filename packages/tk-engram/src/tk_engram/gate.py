@@ -24,10 +24,14 @@ count and the token count, so grad_w is deterministic for a given configuration.
 the P rows in order and adds S*w_e to grad_weight_hidden and S*w_h to grad_weight_embed in place.
 
 Inputs and layouts: bf16 x, k, v, grad_out on CUDA (any float dtype on CPU, where the references of
-``reference.py`` run); H a multiple of 64; the last dimension unit-stride, other strides arbitrary (runtime
+``reference.py`` run); H a multiple of 64, at most 14336; the last dimension unit-stride, other strides arbitrary (runtime
 arguments; a stride that is not a multiple of 8 elements or a base not 16-byte aligned costs a copy);
 ``weight_fused`` float32 (n, H); eps >= 0 and clamp_value > 0 are runtime scalars: no recompile for a new
 token count, stride, eps or clamp. Outputs are contiguous. T = 0 returns empty outputs (zero partials).
+
+Image tokens (optional bool (T,) ``image_token_mask``, TileKernels 2.1.0): the forward passes them through
+(out = x bit for bit, saved gate 0); the backward gives grad_x = grad_out, grad_k = grad_v = 0 and no weight
+gradient for them.
 
 Errors: ``TypeError`` for wrong dtypes, ``ValueError`` for shapes, devices, strides and scalars, each as
 ``"<op>: <arg> must be <expected>, got <actual>"``.
@@ -42,7 +46,6 @@ import math
 import os
 
 import torch
-
 from tk_core import checks, config
 from tk_core.library import device_op
 
@@ -70,11 +73,11 @@ def _vec_view(t: torch.Tensor):
     16-byte aligned, a contiguous copy is used instead (the kernels load 16-byte vectors).
     """
     # a size-1 dimension is never stepped along: its stride is irrelevant (taken as 0)
-    strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride())]
+    strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
     if t.data_ptr() % 16 or any(s % 8 for s in strides[:-1]):
         t = t.contiguous()
-        strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride())]
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, strides))
+        strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, strides, strict=False))
     return t.as_strided((span,), (1,)), [s // 8 for s in strides[:-1]]
 
 
