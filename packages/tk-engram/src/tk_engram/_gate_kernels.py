@@ -91,11 +91,18 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
             wl = T.alloc_local((VEC,), F32)
             acc = T.alloc_local((3,), F32)
             red = T.alloc_shared((2, W, 3), F32)
+            ws = T.alloc_shared((hidden,), F32)
             gv = T.alloc_var(F32)
             rxv = T.alloc_var(F32)
             rkv = T.alloc_var(F32)
             sv = T.alloc_var(F32)
             mk = T.alloc_var("int32")
+            # this stream's weight row stays in shared memory (each thread reads back only its own columns)
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        ws[d0 + j] = Wf[h, d0 + j]
             t_begin = p * chunk
             t_end = T.min(t_begin + chunk, nt)
             for t in T.serial(t_begin, t_end):
@@ -127,7 +134,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
                         for j in T.vectorized(VEC):
-                            wl[j] = Wf[h, d0 + j]
+                            wl[j] = ws[d0 + j]
                         for j in T.unroll(VEC):
                             acc[0] += T.cast(xl[r, j], F32) * T.cast(xl[r, j], F32)
                             acc[1] += T.cast(kl[r, j], F32) * T.cast(kl[r, j], F32)
@@ -315,6 +322,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False):
             ox = T.alloc_local((VEC,), F32)
             ok = T.alloc_local((VEC,), F32)
             red = T.alloc_shared((2, W), F32)
+            ws = T.alloc_shared((hidden,), F32)
             dg = T.alloc_var(F32)
             dot = T.alloc_var(F32)
             gate = T.alloc_var(F32)
@@ -329,6 +337,11 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False):
             for r in T.unroll(R):
                 for j in T.unroll(VEC):
                     acc[r, j] = T.float32(0)
+            for r in T.unroll(R):
+                d0 = (r * threads + tx) * VEC
+                if d0 < hidden:
+                    for j in T.vectorized(VEC):
+                        ws[d0 + j] = Wf[h, d0 + j]
             t_begin = p * chunk
             t_end = T.min(t_begin + chunk, nt)
             for t in T.serial(t_begin, t_end):
@@ -392,7 +405,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
                         for j in T.vectorized(VEC):
-                            wl[j] = Wf[h, d0 + j]
+                            wl[j] = ws[d0 + j]
                         for j in T.unroll(VEC):
                             ox[j] = T.cast(gl[r, j], F32) + ddot * (
                                 T.cast(kl[r, j], F32) * wl[j] - T.cast(xl[r, j], F32) * ca
