@@ -10,8 +10,9 @@ Bytes as the anchor counts them:
 """
 
 import pytest
-import tk_engram
 import torch
+
+import tk_engram
 from tk_core.testing import count_bytes
 from tk_engram import reference
 

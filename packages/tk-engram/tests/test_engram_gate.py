@@ -3,8 +3,9 @@
 import math
 
 import pytest
-import tk_engram
 import torch
+
+import tk_engram
 from tk_core import config
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, calc_diff

@@ -1,8 +1,9 @@
 """engram_hash and make_offsets: cpu, compile and gpu tiers."""
 
 import pytest
-import tk_engram
 import torch
+
+import tk_engram
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, generate_num_tokens
 from tk_core.testing.compile_check import assert_compiles

@@ -12,6 +12,7 @@ row strides divided by 8, so the vector alignment is provable and no stride is b
 """
 
 import tilelang.language as T
+
 from tk_core.jit import kernel
 
 VEC = 8  # bf16 elements per 16-byte vector

@@ -11,6 +11,7 @@ Kernel: 8 columns (one 16-byte load per weight, two 16-byte stores) per thread o
 """
 
 import torch
+
 from tk_core import checks
 from tk_core.library import device_op
 

@@ -46,6 +46,7 @@ import math
 import os
 
 import torch
+
 from tk_core import checks, config
 from tk_core.library import device_op
 

@@ -28,6 +28,7 @@ bit-exact against the reference.
 
 import tilelang.language as T
 import torch
+
 from tk_core import checks
 from tk_core.jit import kernel
 from tk_core.library import device_op
