@@ -322,6 +322,33 @@ def test_compile_masked(arch):
     assert "Mask[" in src and "atomic" not in src
 
 
+@pytest.mark.parametrize("hidden", [64, 576, 1088, 7168, 7232, 8192, 14336])
+@pytest.mark.parametrize("n", [1, 3, 4, 6])
+def test_kernel_column_ownership_covers_every_vector_once(hidden, n):
+    """The kernels' thread -> column map: x/k/G vectors ``(r * threads + tx) * 8 < H`` and the grad_v split
+    ``(r + warp) % n == h`` over the n CTAs of a chunk each cover every 8-column vector exactly once."""
+    threads = threads_for(hidden)
+    R = -(-hidden // (8 * threads))
+    r = torch.arange(R)[:, None]
+    tx = torch.arange(threads)[None, :]
+    d0 = (r * threads + tx) * 8
+    valid = d0 < hidden
+    assert torch.equal(torch.bincount(d0[valid] // 8, minlength=hidden // 8), torch.ones(hidden // 8, dtype=torch.int64))
+    owners = torch.zeros(hidden // 8, dtype=torch.int64)
+    for h in range(n):
+        sel = valid & ((r + tx // 32) % n == h)
+        owners += torch.bincount(d0[sel] // 8, minlength=hidden // 8)
+    assert bool((owners == 1).all())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 100, 131, 132, 133, 4001, 8001])
+@pytest.mark.parametrize("max_parts", [0, 1, 66, 132, 528])
+def test_token_chunks_cover_tokens_without_empty_chunks(num_tokens, max_parts):
+    chunk, parts = gate_mod.token_chunks(num_tokens, max_parts)
+    assert 1 <= parts <= max(1, max_parts) and chunk >= 1
+    assert (parts - 1) * chunk < num_tokens <= parts * chunk
+
+
 def test_threads_for_bounds_registers():
     for h in (64, 576, 7168, 7232, 8192, 14336):
         t = threads_for(h)

@@ -86,11 +86,17 @@ def _device_sms(device: torch.device) -> int:
     return config.get_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _fwd_chunks(num_tokens: int, n: int, hidden: int, device: torch.device):
-    """(chunk, parts) of the persistent forward: one wave of CTAs, equal contiguous token chunks."""
-    parts = max(1, min(num_tokens, (_device_sms(device) * fwd_blocks_per_sm(hidden)) // n))
+def token_chunks(num_tokens: int, max_parts: int):
+    """(chunk, parts): ``parts <= max_parts`` contiguous chunks of ``chunk`` tokens covering ``num_tokens``
+    (> 0), none of them empty."""
+    parts = max(1, min(num_tokens, max_parts))
     chunk = -(-num_tokens // parts)
     return chunk, -(-num_tokens // chunk)
+
+
+def _fwd_chunks(num_tokens: int, n: int, hidden: int, device: torch.device):
+    """(chunk, parts) of the persistent forward: one wave of CTAs, equal contiguous token chunks."""
+    return token_chunks(num_tokens, (_device_sms(device) * fwd_blocks_per_sm(hidden)) // n)
 
 
 # ------------------------------------------------------------------------------------------ device ops
