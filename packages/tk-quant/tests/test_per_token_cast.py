@@ -226,9 +226,10 @@ def _poison_allocator():
 
 
 def _make_input(in_dtype, t, h, x_block_size, col, round_sf, packed, strided=False):
-    base = torch.randn(t, 2 * h if strided else h, device=CUDA)[:, :h]
+    full = torch.randn(t, 2 * h if strided else h, device=CUDA)
+    base = full[:, :h]
     if in_dtype in ("fp32", "bf16"):
-        x = base.to(torch.float32 if in_dtype == "fp32" else torch.bfloat16)
+        x = full.to(torch.float32 if in_dtype == "fp32" else torch.bfloat16)[:, :h]  # keeps the row stride
         return x, x
     fmt = "e4m3" if in_dtype == "e4m3" else "e2m1"
     q = reference.cast(base.bfloat16(), fmt, x_block_size, None, None, round_sf, col, packed)

@@ -76,7 +76,8 @@ def _vec_view(t: torch.Tensor):
     # a size-1 dimension is never stepped along: its stride is irrelevant (taken as 0)
     strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
     if t.data_ptr() % 16 or any(s % 8 for s in strides[:-1]):
-        t = t.contiguous()
+        # clone, not contiguous(): a contiguous tensor at a misaligned address must move too
+        t = t.clone(memory_format=torch.contiguous_format)
         strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, strides, strict=False))
     return t.as_strided((span,), (1,)), [s // 8 for s in strides[:-1]]

@@ -130,7 +130,7 @@ def _cast_back_op(data: torch.Tensor, sf: torch.Tensor, out: torch.Tensor, bm: i
     fmt = "e5m6" if special == "e5m6" else ("e2m1" if data.dtype == torch.int8 else "e4m3")
     if fmt == "e5m6":
         if data.data_ptr() % 8 or (data.shape[0] > 1 and data.stride(0) % 8):
-            data = data.contiguous()
+            data = data.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned base
         data = data.view(torch.int32)
     else:
         data = _vector_ready(data)

@@ -320,7 +320,7 @@ def _vector_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its rows allow 16-element vector accesses, else a contiguous copy."""
     lw_bytes = 8 if x.dtype == torch.int8 else 16
     if x.data_ptr() % lw_bytes or (x.shape[0] > 1 and (x.stride(0) * x.element_size()) % lw_bytes):
-        return x.contiguous()
+        return x.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned base
     return x
 
 
@@ -352,8 +352,8 @@ def _per_token_cast_op(
     xsf, xs0, xs1 = sf_kernel_args(x_sf) if x_sf is not None else (_dummy(x.device, torch.uint8), 0, 0)
     if out_sf is not None:
         sf, s0, s1 = sf_kernel_args(out_sf)
-    else:
-        sf, s0, s1 = _dummy(x.device, torch.uint8), 0, 0
+    else:  # cast_only writes no SF; the kernel's (unused) SF argument is float32
+        sf, s0, s1 = _dummy(x.device, torch.float32), 0, 0
     if out is None:
         y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
     else:
