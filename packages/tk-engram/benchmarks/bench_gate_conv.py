@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+
 from tk_engram import engram_decode_step, engram_gate_conv_bwd, engram_gate_conv_fwd, init_decode_state, reference
 from tk_engram.decode import decode_roofline_bytes
 from tk_engram.gate_conv import bwd_roofline_bytes, fwd_roofline_bytes

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, calc_diff
 from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes

@@ -6,9 +6,9 @@ Bytes as the anchor counts them: the quantized data and its SF read once plus th
 
 import pytest
 import torch
-from tk_core.testing import count_bytes
 
 import tk_quant
+from tk_core.testing import count_bytes
 from tk_quant import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]

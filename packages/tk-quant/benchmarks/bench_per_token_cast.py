@@ -6,9 +6,9 @@ written once (``count_bytes(x, out, sf)``; SF padding is not counted)."""
 
 import pytest
 import torch
-from tk_core.testing import count_bytes
 
 import tk_quant
+from tk_core.testing import count_bytes
 from tk_quant import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]

@@ -15,8 +15,9 @@ Bytes as the anchor counts them:
 """
 
 import pytest
-import tk_quant
 import torch
+
+import tk_quant
 from tk_core.testing import count_bytes, generate_topk_idx
 from tk_quant import reference
 

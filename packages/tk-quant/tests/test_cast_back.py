@@ -2,13 +2,12 @@
 
 import pytest
 import torch
-from tk_core.formats import decode_e2m1, unpack_e2m1
-from tk_core.jit import ARCHS
-from tk_core.layout import ceil_div
-from tk_core.testing import assert_equal, calc_diff, opcheck
-from tk_core.testing.compile_check import assert_compiles
 
 import tk_quant
+from tk_core.formats import decode_e2m1, unpack_e2m1
+from tk_core.jit import ARCHS
+from tk_core.testing import assert_equal, calc_diff, opcheck
+from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference
 from tk_quant.cast_back import cast_back_kernel
 

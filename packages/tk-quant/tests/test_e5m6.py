@@ -2,13 +2,13 @@
 
 import pytest
 import torch
-from tk_core.formats import reinterpret, decode_e5m6, encode_e5m6, pack_e5m6, unpack_e5m6
+
+import tk_quant
+from tk_core.formats import decode_e5m6, encode_e5m6, pack_e5m6, reinterpret, unpack_e5m6
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, calc_diff
 from tk_core.testing.compile_check import assert_compiles
 from tk_core.testing.generators import generate_e5m6_inputs
-
-import tk_quant
 from tk_quant import reference
 from tk_quant.cast_back import cast_back_kernel
 from tk_quant.per_token_cast import per_token_cast_kernel

@@ -128,9 +128,9 @@ gpu = pytest.mark.gpu
 
 def _poison_run(x, fmt, block, col, rnd, packed):
     """per_block_cast with outputs pre-filled with 0xFF so unwritten bytes show up."""
+    from tk_core.config import get_amax_clamp
     from tk_core.layout import ceil_div, sf_layout
     from tk_quant.per_block_cast import _alloc_out, alloc_sf_storage
-    from tk_core.config import get_amax_clamp
 
     t, h = x.shape
     out = _alloc_out(x, fmt)

@@ -7,7 +7,11 @@ from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, opcheck
 from tk_core.testing.generators import generate_rand_float
 from tk_quant import reference
-from tk_quant.per_block_cast_lossless import per_block_cast_lossless, per_block_cast_lossless_, per_block_cast_lossless_kernel
+from tk_quant.per_block_cast_lossless import (
+    per_block_cast_lossless,
+    per_block_cast_lossless_,
+    per_block_cast_lossless_kernel,
+)
 
 OUT_BLOCKS = [(1, 128), (32, 32), (128, 128)]
 LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True

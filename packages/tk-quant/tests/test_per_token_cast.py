@@ -4,13 +4,13 @@ import math
 
 import pytest
 import torch
-from tk_core.formats import reinterpret, decode_e2m1, encode_e4m3, unpack_e2m1
-from tk_core.jit import ARCHS
-from tk_core.layout import align, ceil_div, sf_to_row_major
-from tk_core.testing import assert_equal, check_bias, opcheck
-from tk_core.testing.compile_check import assert_compiles
 
 import tk_quant
+from tk_core.formats import decode_e2m1, encode_e4m3, reinterpret, unpack_e2m1
+from tk_core.jit import ARCHS
+from tk_core.layout import align, ceil_div
+from tk_core.testing import assert_equal, check_bias, opcheck
+from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference
 from tk_quant.common import decode_sf
 from tk_quant.per_token_cast import per_token_cast_kernel

@@ -5,8 +5,9 @@ import math
 from fractions import Fraction
 
 import pytest
-import tk_quant
 import torch
+
+import tk_quant
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major

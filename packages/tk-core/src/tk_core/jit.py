@@ -110,9 +110,8 @@ class KernelFactory:
     def lower(self, arch: str, **params):
         """``tilelang.lower`` of the kernel: the source, the host and device modules."""
         import tilelang
-        from tvm.target import Target
-
         import tvm
+        from tvm.target import Target
 
         target = target_of(arch)
         # Same pass context as tilelang.compile, so the source matches what compile() builds.

@@ -2,15 +2,12 @@
 
 from .__about__ import __version__
 
+# GateConv (TileOPs-style post-projection) forward, backward, autograd, decode
+from .decode import EngramDecodeFwdOp, engram_decode_step, init_decode_state
+
 # Engram hashing and gating
 from .fused_weight import fused_weight
 from .gate import engram_gate_bwd, engram_gate_fwd, grad_w_reduce
-from .gate_fn import EngramGateFn, engram_gate
-from .hash import engram_hash
-from .reference import make_offsets
-
-# GateConv (TileOPs-style post-projection) forward, backward, autograd, decode
-from .decode import EngramDecodeFwdOp, engram_decode_step, init_decode_state
 from .gate_conv import (
     EngramGateConvBwdOp,
     EngramGateConvFn,
@@ -19,6 +16,9 @@ from .gate_conv import (
     engram_gate_conv_bwd,
     engram_gate_conv_fwd,
 )
+from .gate_fn import EngramGateFn, engram_gate
+from .hash import engram_hash
+from .reference import make_offsets
 
 __all__ = [
     "__version__",

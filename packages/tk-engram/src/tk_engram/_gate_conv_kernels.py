@@ -12,6 +12,7 @@ sequence, recomputing a halo of ``taps - 1`` chain tokens before (and, in the ba
 import math
 
 import tilelang.language as T
+
 from tk_core.jit import kernel
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)

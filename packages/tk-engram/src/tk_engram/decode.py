@@ -24,6 +24,7 @@ The two B*d intermediate k, v (written and read once) are not counted.
 """
 
 import torch
+
 from tk_core import checks
 from tk_core.library import device_op
 

@@ -41,6 +41,7 @@ Halo re-reads (w-1 chain tokens per 64) and the per-CTA partials are not counted
 """
 
 import torch
+
 from tk_core import checks
 from tk_core.library import device_op
 

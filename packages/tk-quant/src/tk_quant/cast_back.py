@@ -16,8 +16,9 @@ Kernel: registers only. Each thread decodes 16 (e4m3, e5m6) or 32 (e2m1) consecu
 element) and writes 16-byte vectors. Token count and strides are runtime values.
 """
 
-import torch
 import tilelang.language as T
+import torch
+
 from tk_core.checks import fail
 from tk_core.jit import kernel
 from tk_core.library import device_op

@@ -28,6 +28,7 @@ API (import from ``tk_quant.common``):
 from dataclasses import dataclass
 
 import torch
+
 from tk_core import config
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.formats import FORMAT_MAX, decode_e2m1, unpack_e2m1

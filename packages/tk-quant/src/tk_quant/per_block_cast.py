@@ -29,8 +29,8 @@ Kernel: 256 threads per CTA over a ``bm x BK`` tile (``BK = max(bk, 8192/bm)``);
 block amax is reduced with warp shuffles and one shared-memory exchange; the token count is dynamic.
 """
 
-import torch
 import tilelang.language as T
+import torch
 
 from tk_core import checks
 from tk_core.config import get_amax_clamp

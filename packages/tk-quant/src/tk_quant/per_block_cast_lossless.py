@@ -34,8 +34,8 @@ maximum of exponents is reduced with warp shuffles and shared-memory atomics; th
 input SF strides are runtime arguments.
 """
 
-import torch
 import tilelang.language as T
+import torch
 
 from tk_core import checks
 from tk_core.jit import kernel
@@ -69,7 +69,6 @@ def per_block_cast_lossless_kernel(hidden: int, bm_in: int, bk_in: int, in_kind:
     sf_len = T.dynamic("sf_len")
     BK, TPR, RPP, P = _tile(bm_out, bk_out)
     BM = RPP * P
-    WARPS = THREADS // 32
     NBR = BM // bm_out  # output block rows per tile
     NBC = BK // bk_out  # output block columns per tile
     nk = ceil_div(hidden, bk_out)

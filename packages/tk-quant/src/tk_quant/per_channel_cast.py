@@ -32,8 +32,8 @@ shared-memory exchange; the transposed variant stages the e4m3 tile in padded sh
 16-byte runs of tokens. The token counts are dynamic.
 """
 
-import torch
 import tilelang.language as T
+import torch
 
 from tk_core import checks
 from tk_core.config import get_amax_clamp

@@ -34,8 +34,9 @@ reduce the amax with warp shuffles. Rows of a one-scale-per-row cast are spread 
 The token count and all strides are runtime values (no recompile per batch size).
 """
 
-import torch
 import tilelang.language as T
+import torch
+
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div, sf_to_row_major

@@ -15,6 +15,7 @@ CPU tensors run ``tk_quant.reference.cast_to_e5m6``.
 """
 
 import torch
+
 from tk_core.checks import check_dtype, check_ndim, fail
 
 from . import reference

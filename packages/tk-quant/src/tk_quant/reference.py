@@ -5,6 +5,7 @@ for bit. Built on ``tk_core.formats`` (conversions, the scale rule) and ``tk_cor
 # --- per-token / general block casts, cast back, E5M6 (§9.1-9.4) ---------------------------------
 
 import torch  # noqa: E402
+
 from tk_core.formats import (  # noqa: E402
     compute_scales,
     decode_e5m6,

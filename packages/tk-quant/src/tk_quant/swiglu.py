@@ -55,6 +55,7 @@ import math
 
 import tilelang.language as T
 import torch
+
 from tk_core import checks
 from tk_core.config import get_amax_clamp
 from tk_core.jit import kernel
