@@ -521,8 +521,11 @@ def test_gpu_engram_gate_autograd_vs_reference():
     ref_out = reference.engram_gate_ref(ref_in[0].view(b, s, n, h), ref_in[1].view(b, s, n, h), ref_in[2].view(b, s, h), whf, wef, CLAMP, EPS)
     ref_out.backward(G)
     assert calc_diff(out, ref_out) < 1e-9
-    for got, want in zip(grads, [ref_in[0].grad, ref_in[1].grad, ref_in[2].grad, whf.grad, wef.grad], strict=False):
-        assert calc_diff(got, want) < 1e-8
+    # bf16 input gradients: the fp32 reference sums in another order, so a few elements land one bf16
+    # ulp apart (measured 1.3e-8 on the H200); the fp32 weight gradients keep the tighter bound.
+    bounds = (1e-7, 1e-7, 1e-7, 1e-8, 1e-8)
+    for got, want, bound in zip(grads, [ref_in[0].grad, ref_in[1].grad, ref_in[2].grad, whf.grad, wef.grad], bounds):
+        assert calc_diff(got, want) < bound
     # deterministic: a second backward adds exactly the same weight gradients (g + g is exact)
     tk_engram.engram_gate(x4, k4, v3, wh, we, CLAMP, EPS).backward(G)
     assert_equal(wh.main_grad, 2 * grads[3])
