@@ -10,6 +10,7 @@ from tk_core.testing import (
     calc_diff,
     check_bias,
     count_bytes,
+    generate_fused_mapping,
     generate_hidden_sizes,
     generate_moe_params,
     generate_num_tokens,
@@ -90,3 +91,12 @@ def test_rand_float_is_finite_and_seeded(seed):
 def test_seed_depends_on_test_id_only(request, seed):
     assert seed == seed_for(request.node.nodeid, 0)
     assert seed_for("a::b") != seed_for("a::c")
+
+
+def test_fused_mapping_hand_made_case():
+    # 3 tokens, top-2 over 2 local experts; -1 routes to another rank
+    topk = torch.tensor([[1, 0], [1, -1], [0, 1]])
+    pos_to_expert, pos_to_token_topk, token_topk_to_pos = generate_fused_mapping(topk, 2, alignment=4)
+    assert pos_to_expert.tolist() == [0, 0, -1, -1, 1, 1, 1, -1]
+    assert pos_to_token_topk.tolist() == [1, 4, -1, -1, 0, 2, 5, -1]
+    assert token_topk_to_pos.tolist() == [[4, 0], [5, -1], [1, 6]]

@@ -18,40 +18,16 @@ import pytest
 import torch
 
 import tk_quant
-from tk_core.testing import count_bytes, generate_topk_idx
+from tk_core.testing import count_bytes, generate_fused_mapping, generate_topk_idx
 from tk_quant import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]
 MOE = dict(num_send_tokens=4001, num_topk=2, num_experts=9, num_ep_ranks=8)
 
 
-def fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int):
-    """``(pos_to_expert, pos_to_token_topk, token_topk_to_pos)`` int32 of the expert-major layout."""
-    t, k = topk_idx.shape
-    dev = topk_idx.device
-    flat = topk_idx.reshape(-1)
-    valid = (flat >= 0).nonzero().squeeze(1)
-    ev = flat[valid]
-    counts = torch.bincount(ev, minlength=num_experts)
-    aligned = (counts + alignment - 1) // alignment * alignment
-    starts = torch.cumsum(aligned, 0) - aligned
-    raw_starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(ev, stable=True)
-    vs, es = valid[order], ev[order]
-    pos = starts[es] + torch.arange(vs.numel(), device=dev) - raw_starts[es]
-    p = int(aligned.sum())
-    pos_to_expert = torch.full((p,), -1, dtype=torch.int32, device=dev)
-    pos_to_token_topk = torch.full((p,), -1, dtype=torch.int32, device=dev)
-    token_topk_to_pos = torch.full((t * k,), -1, dtype=torch.int32, device=dev)
-    pos_to_expert[pos] = es.int()
-    pos_to_token_topk[pos] = vs.int()
-    token_topk_to_pos[vs] = pos.int()
-    return pos_to_expert, pos_to_token_topk, token_topk_to_pos.view(t, k)
-
-
 def moe_inputs(hidden: int, alignment: int):
     idx = generate_topk_idx(MOE, device="cuda")
-    pe, ptt, ttp = fused_mapping(idx, MOE["num_experts"], alignment)
+    pe, ptt, ttp = generate_fused_mapping(idx, MOE["num_experts"], alignment)
     x = torch.zeros((pe.numel(), 2 * hidden), dtype=torch.bfloat16, device="cuda")
     real = ptt >= 0
     x[real] = torch.randn(idx.shape[0], 2 * hidden, device="cuda").bfloat16()[ptt[real].long() // MOE["num_topk"]]

@@ -11,36 +11,12 @@ import tk_quant
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major
-from tk_core.testing import assert_equal, calc_diff, full_test, generate_topk_idx, opcheck
+from tk_core.testing import assert_equal, calc_diff, full_test, generate_fused_mapping, generate_topk_idx, opcheck
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference as R
 from tk_quant import swiglu as S
 
 # --- helpers (self-contained: the MoE fused layout of moe-engram-mhc.md §4.0) ---------------------
-
-
-def fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int):
-    """``(pos_to_expert, pos_to_token_topk, token_topk_to_pos)`` int32 of the expert-major layout."""
-    t, k = topk_idx.shape
-    dev = topk_idx.device
-    flat = topk_idx.reshape(-1)
-    valid = (flat >= 0).nonzero().squeeze(1)
-    ev = flat[valid]
-    counts = torch.bincount(ev, minlength=num_experts)
-    aligned = (counts + alignment - 1) // alignment * alignment
-    starts = torch.cumsum(aligned, 0) - aligned
-    raw_starts = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(ev, stable=True)
-    vs, es = valid[order], ev[order]
-    pos = starts[es] + torch.arange(vs.numel(), device=dev) - raw_starts[es]
-    p = int(aligned.sum())
-    pos_to_expert = torch.full((p,), -1, dtype=torch.int32, device=dev)
-    pos_to_token_topk = torch.full((p,), -1, dtype=torch.int32, device=dev)
-    token_topk_to_pos = torch.full((t * k,), -1, dtype=torch.int32, device=dev)
-    pos_to_expert[pos] = es.int()
-    pos_to_token_topk[pos] = vs.int()
-    token_topk_to_pos[vs] = pos.int()
-    return pos_to_expert, pos_to_token_topk, token_topk_to_pos.view(t, k)
 
 
 def expand_to_fused(x: torch.Tensor, pos_to_token_topk: torch.Tensor, num_topk: int) -> torch.Tensor:
@@ -54,7 +30,7 @@ def moe_case(num_tokens: int, num_topk: int, num_experts: int, alignment: int, d
     idx = torch.stack([torch.randperm(num_experts, device=device)[:num_topk] for _ in range(num_tokens)]) if num_tokens else (
         torch.empty((0, num_topk), dtype=torch.int64, device=device))
     idx = torch.where(torch.rand(idx.shape, device=device) < 0.2, -1, idx)  # some (t, k) routed elsewhere
-    return idx, fused_mapping(idx, num_experts, alignment)
+    return idx, generate_fused_mapping(idx, num_experts, alignment)
 
 
 def f32(v: float) -> torch.Tensor:
@@ -705,7 +681,7 @@ def test_gpu_moe_generator_layout():
     """The anchor's MoE generator feeds the same kernels (E from generate_topk_idx, alignment 16)."""
     params = dict(num_send_tokens=500, num_topk=2, num_experts=9, num_ep_ranks=8)
     idx = generate_topk_idx(params, device=DEV)
-    pe, ptt, ttp = fused_mapping(idx, 9, 16)
+    pe, ptt, ttp = generate_fused_mapping(idx, 9, 16)
     x = expand_to_fused(torch.randn(idx.shape[0], 2 * 1024, device=DEV).bfloat16(), ptt, 2)
     got = FWD(x, "e4m3", 128, pos_to_expert=pe, use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True)
     want = R.swiglu_forward_and_per_token_cast(x, "e4m3", 128, None, None, pe, True, True, True)

@@ -3,6 +3,7 @@
 from .generators import (
     full_test,
     generate_e5m6_inputs,
+    generate_fused_mapping,
     generate_hidden_sizes,
     generate_moe_params,
     generate_num_tokens,
@@ -18,6 +19,7 @@ __all__ = [
     "count_bytes",
     "full_test",
     "generate_e5m6_inputs",
+    "generate_fused_mapping",
     "generate_hidden_sizes",
     "generate_moe_params",
     "generate_num_tokens",

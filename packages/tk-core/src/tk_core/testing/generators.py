@@ -57,6 +57,36 @@ def generate_topk_idx(params: dict, device="cpu") -> torch.Tensor:
     return idx[(idx >= 0).any(dim=1)].contiguous()
 
 
+def generate_fused_mapping(topk_idx: torch.Tensor, num_experts: int, alignment: int):
+    """The expert-major ("fused") MoE layout of a routing: each expert's rows form a segment padded to a
+    multiple of ``alignment``; rows are ordered by (expert, token, k).
+
+    Returns int32 ``(pos_to_expert, pos_to_token_topk, token_topk_to_pos)``: per position its expert and its
+    flat ``token * num_topk + k`` index (-1 on padding rows), and per ``(token, k)`` its position (-1 where
+    the route goes to another rank).
+    """
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    flat = topk_idx.reshape(-1)
+    valid = (flat >= 0).nonzero().squeeze(1)
+    experts = flat[valid]
+    counts = torch.bincount(experts, minlength=num_experts)
+    aligned = (counts + alignment - 1) // alignment * alignment
+    starts = torch.cumsum(aligned, 0) - aligned
+    raw_starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(experts, stable=True)
+    routes, experts = valid[order], experts[order]
+    pos = starts[experts] + torch.arange(routes.numel(), device=dev) - raw_starts[experts]
+    p = int(aligned.sum())
+    pos_to_expert = torch.full((p,), -1, dtype=torch.int32, device=dev)
+    pos_to_token_topk = torch.full((p,), -1, dtype=torch.int32, device=dev)
+    token_topk_to_pos = torch.full((t * k,), -1, dtype=torch.int32, device=dev)
+    pos_to_expert[pos] = experts.int()
+    pos_to_token_topk[pos] = routes.int()
+    token_topk_to_pos[routes] = pos.int()
+    return pos_to_expert, pos_to_token_topk, token_topk_to_pos.view(t, k)
+
+
 def generate_rand_float(shape, device="cpu") -> torch.Tensor:
     """float32 ``randn * 2**e`` with one random exponent ``e`` in ``[-110, 126]``, finite, clamped to
     ``+-FLT_MAX/8``."""
