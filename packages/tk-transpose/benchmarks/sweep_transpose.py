@@ -6,11 +6,11 @@ Each variant is compiled (in parallel), checked bit-exact against the reference 
 anchor shapes, then timed (CUPTI, L2 flushed) on the anchor shapes: 8064x7168 and 8x8064x7168."""
 
 import sys
+
 import tilelang
 import torch
 
 from tk_core.jit import arch_of, target_of
-
 from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
 from tk_transpose import reference
 from tk_transpose.transpose import _access_mode, transpose_kernel
@@ -54,7 +54,7 @@ def main():
             k = ks[(spec, "vector")]
             run(k, x, out)
             ok &= torch.equal(out, reference.batched_transpose(x))
-            us = device_time_us(lambda: run(k, x, out))
+            us = device_time_us(lambda k=k, x=x, out=out: run(k, x, out))
             res.append(2 * x.numel() * x.element_size() / us / 1e3)
             del x, out
         print(f"{spec:>22} ok={ok} 2d={res[0]:.0f} batched={res[1]:.0f} GB/s", flush=True)
