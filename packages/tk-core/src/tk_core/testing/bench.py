@@ -26,7 +26,7 @@ def flush_l2() -> None:
 
 
 @functools.cache
-def _timing_backend() -> str:
+def timing_backend() -> str:
     """``cupti`` when tilelang's CUPTI profiler works on this machine, else ``event``."""
     from tilelang.profiler import do_bench
 
@@ -42,7 +42,7 @@ def device_time_us(fn, rep_ms: float = 100.0, warmup_ms: float = 25.0) -> float:
     """Median device time of ``fn()`` in microseconds (L2 flushed before each run)."""
     from tilelang.profiler import do_bench
 
-    ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, backend=_timing_backend(), return_mode="median")
+    ms = do_bench(fn, warmup=warmup_ms, rep=rep_ms, backend=timing_backend(), return_mode="median")
     return float(ms) * 1e3
 
 

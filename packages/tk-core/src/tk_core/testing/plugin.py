@@ -17,7 +17,7 @@ import subprocess
 import pytest
 import torch
 
-from .bench import copy_bandwidth_gbps, device_time_us, eager_time_us
+from .bench import copy_bandwidth_gbps, device_time_us, eager_time_us, timing_backend
 
 
 def pytest_addoption(parser):
@@ -109,6 +109,7 @@ class GpuBenchmark:
             gbps=round(gbps, 1),
             copy_gbps=round(self.copy_gbps, 1),
             pct_of_copy=round(100 * gbps / self.copy_gbps, 1),
+            timer=timing_backend(),
             **params,
         )
         self.benchmark.extra_info.update(info)
