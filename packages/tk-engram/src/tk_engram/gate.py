@@ -103,6 +103,24 @@ def _fwd_chunks(num_tokens: int, n: int, hidden: int, device: torch.device):
 # ------------------------------------------------------------------------------------------ device ops
 
 
+def _launch_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value, out, saved: tuple, image_token_mask):
+    """Launches the forward kernel; ``saved`` is ``(dot, gate_score, rstd_x, rstd_k)`` or ``()``."""
+    n, hidden = weight_fused.shape
+    X, (sx0, sx1) = _vec_view(hidden_states)
+    K, (sk0, sk1) = _vec_view(k)
+    V, (sv0,) = _vec_view(v)
+    chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
+    masked = image_token_mask is not None
+    kern = gate_fwd_kernel.get(
+        out.device, n=n, hidden=hidden, save=bool(saved), threads=threads_for(hidden), masked=masked
+    )
+    mask = (image_token_mask.view(torch.uint8),) if masked else ()
+    kern(
+        X, K, V, weight_fused, out, *saved, *mask,
+        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH),
+    )
+
+
 @device_op("tk_engram::engram_gate_fwd", mutates_args=("out", "dot", "gate_score", "rstd_x", "rstd_k"))
 def _gate_fwd_op(
     hidden_states: torch.Tensor,
@@ -118,20 +136,8 @@ def _gate_fwd_op(
     rstd_k: torch.Tensor,
     image_token_mask: torch.Tensor | None = None,
 ) -> None:
-    n, hidden = weight_fused.shape
-    X, (sx0, sx1) = _vec_view(hidden_states)
-    K, (sk0, sk1) = _vec_view(k)
-    V, (sv0,) = _vec_view(v)
-    chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
-    masked = image_token_mask is not None
-    kern = gate_fwd_kernel.get(
-        out.device, n=n, hidden=hidden, save=True, threads=threads_for(hidden), masked=masked
-    )
-    mask = (image_token_mask.view(torch.uint8),) if masked else ()
-    kern(
-        X, K, V, weight_fused, out, dot, gate_score, rstd_x, rstd_k, *mask,
-        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH),
-    )
+    _launch_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value, out, (dot, gate_score, rstd_x, rstd_k),
+                     image_token_mask)
 
 
 @device_op("tk_engram::engram_gate_fwd_nosave", mutates_args=("out",))
@@ -145,17 +151,7 @@ def _gate_fwd_nosave_op(
     out: torch.Tensor,
     image_token_mask: torch.Tensor | None = None,
 ) -> None:
-    n, hidden = weight_fused.shape
-    X, (sx0, sx1) = _vec_view(hidden_states)
-    K, (sk0, sk1) = _vec_view(k)
-    V, (sv0,) = _vec_view(v)
-    chunk, parts = _fwd_chunks(out.shape[0], n, hidden, out.device)
-    masked = image_token_mask is not None
-    kern = gate_fwd_kernel.get(
-        out.device, n=n, hidden=hidden, save=False, threads=threads_for(hidden), masked=masked
-    )
-    mask = (image_token_mask.view(torch.uint8),) if masked else ()
-    kern(X, K, V, weight_fused, out, *mask, sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH))
+    _launch_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value, out, (), image_token_mask)
 
 
 @device_op(
