@@ -71,3 +71,19 @@ def test_sf_layout_rejects_broken_combinations():
         layout.sf_layout("op", True, True, False)
     with pytest.raises(ValueError, match="layout must be one of"):
         layout.alloc_sf(1, 1, "diagonal", "cpu")
+
+
+def test_vector_aligned_keeps_aligned_views_and_copies_the_rest():
+    buf = torch.zeros(64, 72, dtype=torch.bfloat16)
+    aligned = buf[:, :64]  # row stride 144 bytes, base aligned
+    assert layout.vector_aligned(aligned) is aligned
+    one_row = buf.view(-1).as_strided((1, 64), (67, 1))  # a size-1 dimension's stride is never used
+    assert layout.vector_aligned(one_row) is one_row
+    for bad in (buf.view(-1)[1:4097].view(64, 64), buf[:, 1:65], buf.view(-1)[: 64 * 67].view(64, 67)):
+        fixed = layout.vector_aligned(bad)  # misaligned base, or a row stride that is not 16 bytes
+        assert fixed is not bad and fixed.is_contiguous() and fixed.data_ptr() % 16 == 0
+        assert torch.equal(fixed, bad)
+    row = buf.view(-1)[1:65].view(1, 64)  # one row at a misaligned base
+    assert layout.vector_aligned(row) is not row
+    rows8 = buf.view(-1)[4:4 + 64 * 68].view(64, 68)  # 8-byte aligned base and row stride
+    assert layout.vector_aligned(rows8, 8) is rows8 and layout.vector_aligned(rows8, 16) is not rows8

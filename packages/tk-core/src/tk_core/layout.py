@@ -36,6 +36,19 @@ def tma_aligned_size(n: int, element_size: int) -> int:
     return align(n, 16 // element_size)
 
 
+def vector_aligned(x: torch.Tensor, nbytes: int = 16) -> torch.Tensor:
+    """``x`` itself when kernels may access it in ``nbytes``-byte vectors along its unit-stride last dimension:
+    base address and every leading stride (of dimensions longer than 1) multiples of ``nbytes`` bytes.
+    Otherwise a fresh contiguous copy. ``contiguous()`` would not do: it keeps a misaligned base address.
+    While ``torch.compile`` traces, tensors have no address; the compiled graph passes fresh buffers."""
+    if torch.compiler.is_compiling():
+        return x
+    size = x.element_size()
+    if x.data_ptr() % nbytes or any(n > 1 and s * size % nbytes for n, s in zip(x.shape[:-1], x.stride()[:-1])):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def sf_layout(op: str, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: bool, round_sf: bool) -> str:
     """Maps the two layout flags to a layout name; rejects packed without col-major or rounding."""
     if use_packed_ue8m0:

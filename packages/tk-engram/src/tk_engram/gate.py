@@ -48,6 +48,7 @@ import os
 import torch
 
 from tk_core import checks, config
+from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import reference
@@ -73,12 +74,9 @@ def _vec_view(t: torch.Tensor):
     ``t`` has a unit-stride last dimension. If a leading stride is not a multiple of 8 or the base is not
     16-byte aligned, a contiguous copy is used instead (the kernels load 16-byte vectors).
     """
+    t = vector_aligned(t)
     # a size-1 dimension is never stepped along: its stride is irrelevant (taken as 0)
     strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
-    if t.data_ptr() % 16 or any(s % 8 for s in strides[:-1]):
-        # clone, not contiguous(): a contiguous tensor at a misaligned address must move too
-        t = t.clone(memory_format=torch.contiguous_format)
-        strides = [s if size > 1 else 0 for size, s in zip(t.shape, t.stride(), strict=False)]
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, strides, strict=False))
     return t.as_strided((span,), (1,)), [s // 8 for s in strides[:-1]]
 

@@ -43,6 +43,7 @@ Halo re-reads (w-1 chain tokens per 64) and the per-CTA partials are not counted
 import torch
 
 from tk_core import checks
+from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import reference
@@ -67,10 +68,7 @@ def bwd_roofline_bytes(M: int, T: int, d: int, taps: int, elem: int = 2) -> int:
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """x, contiguous and 16-byte aligned (the kernels use 16-byte vectors); copies only when needed."""
-    x = x.contiguous()
-    if torch.compiler.is_compiling():
-        return x  # fake tensors have no address; the compiled graph passes fresh, aligned buffers
-    return x if x.data_ptr() % 16 == 0 else x.clone()
+    return vector_aligned(x.contiguous())
 
 
 def _num_parts(M: int, T: int, dilation: int) -> int:

@@ -21,11 +21,12 @@ import torch
 
 from tk_core.checks import fail
 from tk_core.jit import kernel
+from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import reference
 from .common import OUT_DTYPES, check_quant_input, sf_kernel_args, sf_kind
-from .per_token_cast import _decode_e2m1, _load_sf, _vector_ready
+from .per_token_cast import _decode_e2m1, _load_sf
 
 _PASS = {"tl.disable_safe_memory_legalize": True}
 _SF_DTYPE = {"fp32": "float32", "packed": "uint8", "e4m3": "float8_e4m3fn"}
@@ -130,11 +131,9 @@ def cast_back_kernel(fmt: str, out_dtype: str, hidden: int, bm: int, bk: int, sf
 def _cast_back_op(data: torch.Tensor, sf: torch.Tensor, out: torch.Tensor, bm: int, bk: int, special: str) -> None:
     fmt = "e5m6" if special == "e5m6" else ("e2m1" if data.dtype == torch.int8 else "e4m3")
     if fmt == "e5m6":
-        if data.data_ptr() % 8 or (data.shape[0] > 1 and data.stride(0) % 8):
-            data = data.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned base
-        data = data.view(torch.int32)
+        data = vector_aligned(data, 8).view(torch.int32)
     else:
-        data = _vector_ready(data)
+        data = vector_aligned(data, 8 if data.dtype == torch.int8 else 16)
     hidden = out.shape[1]
     out_dtype = "float32" if out.dtype == torch.float32 else "bfloat16"
     k = cast_back_kernel.get(data.device, fmt=fmt, out_dtype=out_dtype, hidden=hidden, bm=bm, bk=bk, sf=sf_kind(sf))

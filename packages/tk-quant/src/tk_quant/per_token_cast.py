@@ -39,7 +39,7 @@ import torch
 
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.jit import kernel
-from tk_core.layout import ceil_div, sf_to_row_major
+from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
 
 from . import reference
@@ -317,14 +317,6 @@ def _dummy(device, dtype) -> torch.Tensor:
     return d
 
 
-def _vector_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when its rows allow 16-element vector accesses, else a contiguous copy."""
-    lw_bytes = 8 if x.dtype == torch.int8 else 16
-    if x.data_ptr() % lw_bytes or (x.shape[0] > 1 and (x.stride(0) * x.element_size()) % lw_bytes):
-        return x.clone(memory_format=torch.contiguous_format)  # contiguous() keeps a misaligned base
-    return x
-
-
 @device_op("tk_quant::per_token_cast", mutates_args=("out", "out_sf"))
 def _per_token_cast_op(
     x: torch.Tensor,
@@ -341,7 +333,7 @@ def _per_token_cast_op(
 ) -> None:
     # ``kind`` is the kernel's mode; an op argument named ``mode`` clashes with torch.compile's
     # auto-functionalization.
-    x = _vector_ready(x)
+    x = vector_aligned(x, 8 if x.dtype == torch.int8 else 16)
     hidden = 2 * x.shape[1] if x.dtype == torch.int8 else x.shape[1]
     in_sf = sf_kind(x_sf) if x_sf is not None else None
     params = dict(in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=hidden, bk=num_per_channels, round_sf=round_sf, mode=kind)
