@@ -1,6 +1,6 @@
 """Compares tuning variants of ``transpose_kernel`` in one GPU run (not a pytest file).
 
-    python3 packages/tk-transpose/benchmarks/sweep_transpose.py [bits,out_bytes,in_bytes,threads,min_blocks ...]
+    python3 packages/tk-transpose/benchmarks/sweep_transpose.py [bits,lanes_m,warps_m,warps_n,min_blocks ...]
 
 Each variant is compiled (in parallel), checked bit-exact against the reference on edge, strided and
 anchor shapes, then timed (CUPTI, L2 flushed) on the anchor shapes: 8064x7168 and 8x8064x7168."""
@@ -15,13 +15,18 @@ from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
 from tk_transpose import reference
 from tk_transpose.transpose import _access_mode, transpose_kernel
 
-DEFAULT = ["8,128,128,256,5", "16,128,256,256,6", "32,128,256,256,6"]
+DEFAULT = [  # bits,lanes_m,warps_m,warps_n,min_blocks; the op's default first
+    "8,4,2,2,4", "8,8,2,2,4", "8,4,4,1,4", "8,8,2,4,2", "8,2,2,2,4",
+    "16,4,2,4,4", "16,8,2,4,4", "16,4,4,2,4", "16,8,4,2,4", "16,2,2,4,4", "16,4,2,2,6",
+    "32,8,2,4,4", "32,4,2,4,4", "32,8,4,2,4",
+]
+ANCHOR = {8: (3640, 3895), 16: (3909, 4098)}  # anchor GB/s: e4m3 / bf16, 2-D and batched
 DT = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}  # views of raw bytes
 
 
 def params(spec):
-    bits, ob, ib, th, mb = map(int, spec.split(","))
-    return bits, dict(out_bytes=ob, in_bytes=ib, threads=th, min_blocks=mb)
+    bits, lm, wm, wn, mb = map(int, spec.split(","))
+    return bits, dict(lanes_m=lm, warps_m=wm, warps_n=wn, min_blocks=mb)
 
 
 def rand(shape, bits):
@@ -57,7 +62,9 @@ def main():
             us = device_time_us(lambda k=k, x=x, out=out: run(k, x, out))
             res.append(2 * x.numel() * x.element_size() / us / 1e3)
             del x, out
-        print(f"{spec:>22} ok={ok} 2d={res[0]:.0f} batched={res[1]:.0f} GB/s", flush=True)
+        anchor = ANCHOR.get(bits, (float("nan"),) * 2)
+        print(f"{spec:>22} ok={ok} 2d={res[0]:.0f} ({res[0] / anchor[0]:.3f}) batched={res[1]:.0f} "
+              f"({res[1] / anchor[1]:.3f}) GB/s", flush=True)
 
 
 if __name__ == "__main__":
