@@ -300,7 +300,8 @@ def test_compile_bwd_reduce_fused(arch, hidden):
         gate_bwd_kernel, arch, n=4, hidden=hidden, threads=threads_for(hidden)
     )
     assert "atomic" not in src  # deterministic: no atomics
-    assert "*(uint4*)(GX +" in src and "*(uint4*)(G +" in src
+    # 16-byte stores; G arrives in 16-byte cp.async copies (or 16-byte loads when not staged)
+    assert "*(uint4*)(GX +" in src and ("tk_cp_async16((&(((bfloat16_t*)gs)" in src or "*(uint4*)(G +" in src)
     src = assert_compiles(grad_w_reduce_kernel, arch, n=4, hidden=hidden)
     assert "__fmul_rn" in src and "atomic" not in src
     assert_compiles(fused_weight_kernel, arch, n=4, hidden=hidden)
@@ -360,7 +361,8 @@ def test_threads_for_bounds_registers():
 
 # --- gpu tier -----------------------------------------------------------------------------------------
 
-GPU_SHAPES = [(8001, 4, 7168), (257, 4, 576), (3, 2, 64), (1, 1, 2048), (129, 6, 1088)]
+# (65, 2, 14336): 448-thread CTAs, 4 vectors a thread
+GPU_SHAPES = [(8001, 4, 7168), (257, 4, 576), (3, 2, 64), (1, 1, 2048), (129, 6, 1088), (65, 2, 14336)]
 
 
 def _gpu_inputs(t, n, h):
@@ -614,16 +616,44 @@ def test_gpu_cuda_graph_capture():
 
 
 @pytest.mark.gpu
-def test_gpu_prefetch_switch_does_not_change_results(monkeypatch):
-    t, n, h = 517, 4, 7168
+@pytest.mark.parametrize("t", [517, 2])
+def test_gpu_448_thread_layout_and_unpipelined_bwd(t):
+    """The 14-warp CTAs (the layout of H = 14336) on H = 7168, 2 vectors a thread, checked against the
+    reference; the backward without the x/k copy pipeline is bit-identical to the default (same arithmetic)."""
+    n, h = 4, 7168
     x, k, v, wh, we, w = _gpu_inputs(t, n, h)
     G = torch.randn(t, n, h, device=CUDA).bfloat16()
-    fwd = tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
-    bwd = tk_engram.engram_gate_bwd(G, x, k, v, w, *fwd[1:], CLAMP)
-    monkeypatch.setattr(gate_mod, "PREFETCH", False)
-    for a, b in zip(tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP), fwd, strict=False):
+    ref = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP)
+    chunk, parts = gate_mod.token_chunks(t, gate_mod._device_sms(CUDA) * 2 // n)
+    X, (sx0, sx1) = gate_mod._vec_view(x)
+    K, (sk0, sk1) = gate_mod._vec_view(k)
+    V, (sv0,) = gate_mod._vec_view(v)
+    got = [torch.full((t, n, h), float("nan"), dtype=torch.bfloat16, device=CUDA)]
+    got += [torch.full((t, n), float("nan"), device=CUDA) for _ in range(4)]
+    gate_fwd_kernel.get(CUDA, n=n, hidden=h, save=True, threads=448, blocks=2)(
+        X, K, V, w, *got, sx0, sx1, sk0, sk1, sv0, EPS, CLAMP, chunk, parts
+    )
+    assert calc_diff(got[0], ref[0]) < 1e-9
+    for a, b in zip(got[1:], ref[1:], strict=False):
+        assert calc_diff(a, b) < 1e-10
+    saved = tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP)[1:]
+    outs = {}
+    for threads, blocks, pipeline in ((224, 0, True), (224, 0, False), (448, 2, True)):
+        bparts = gate_mod.num_grad_w_parts(t, n, h, CUDA) if blocks == 0 else min(t, gate_mod._device_sms(CUDA) * 2 // n)
+        Gf, (sg0, sg1) = gate_mod._vec_view(G)
+        o = [torch.full((t, n, h), float("nan"), dtype=torch.bfloat16, device=CUDA) for _ in range(2)]
+        o += [torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=CUDA)]
+        o += [torch.full((bparts, n, h), float("nan"), device=CUDA)]
+        gate_bwd_kernel.get(CUDA, n=n, hidden=h, threads=threads, blocks=blocks, pipeline=pipeline)(
+            Gf, X, K, V, w, *saved, *o, sg0, sg1, sx0, sx1, sk0, sk1, sv0, CLAMP, -(-t // bparts)
+        )
+        ref_b = reference.engram_gate_bwd_ref(G, x, k, v, w, *saved, CLAMP, num_parts=bparts)
+        for a, b in zip(o, ref_b, strict=False):
+            assert calc_diff(a, b) < 1e-8
+        outs[(threads, pipeline)] = o
+    for a, b in zip(outs[(224, False)], outs[(224, True)], strict=False):
         assert_equal(a, b)
-    for a, b in zip(tk_engram.engram_gate_bwd(G, x, k, v, w, *fwd[1:], CLAMP), bwd, strict=False):
+    for a, b in zip(outs[(224, True)], tk_engram.engram_gate_bwd(G, x, k, v, w, *saved, CLAMP), strict=False):
         assert_equal(a, b)
 
 

@@ -319,6 +319,27 @@ def test_gpu_odd_hidden(h, fmt, bk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t,h,fmt,dtype,bk,strided", [
+    (133, 576, "e2m1", torch.float32, 32, True),  # 18 groups: the last packed word has 2 undefined bytes
+    (133, 592, "e4m3", torch.float32, 16, True),
+    (1, 576, "e2m1", torch.bfloat16, 64, False),
+])
+def test_gpu_edge_values_packed_partial_word(t, h, fmt, dtype, bk, strided):
+    """The sweep's odd cases: a zero row (amax floor), -0, a tiny, a near-FLT_MAX and a saturating value in
+    one group, strided rows, column-major packed UE8M0 with ceil(H/bk) % 4 != 0 (only meaningful bytes compared)."""
+    x = torch.randn(t, h + (8 if strided else 0), device=CUDA, dtype=dtype)[:, :h]
+    x[0] = 0
+    x[-1, :4] = torch.tensor([-0.0, 1e-30, 3e38, -6.5], device=CUDA, dtype=dtype)
+    nk = ceil_div(h, bk)
+    for col, round_sf, packed in LAYOUTS:
+        _poison_allocator()
+        d, s = tk_quant.per_token_cast(x, fmt, bk, None, col, round_sf, packed)
+        rd, rs = reference.cast(x, fmt, (1, bk), None, None, round_sf, col, packed)
+        assert_equal(d, rd)
+        assert_equal(_clear_unused(s, nk), _clear_unused(rs, nk))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 def test_gpu_e4m3_sf(fmt):
     x = torch.randn(3001, 4096, device=CUDA, dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """Compares tuning variants of ``transpose_kernel`` in one GPU run (not a pytest file).
 
-    python3 packages/tk-transpose/benchmarks/sweep_transpose.py [bits,lanes_m,warps_m,warps_n,min_blocks ...]
+    python3 packages/tk-transpose/benchmarks/sweep_transpose.py [bits,lanes_m,warps_m,warps_n,min_blocks,load_bytes ...]
 
 Each variant is compiled (in parallel), checked bit-exact against the reference on edge, strided and
 anchor shapes, then timed (CUPTI, L2 flushed) on the anchor shapes: 8064x7168 and 8x8064x7168."""
@@ -11,22 +11,22 @@ import tilelang
 import torch
 
 from tk_core.jit import arch_of, target_of
-from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
+from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us, timing_backend
 from tk_transpose import reference
 from tk_transpose.transpose import _access_mode, transpose_kernel
 
-DEFAULT = [  # bits,lanes_m,warps_m,warps_n,min_blocks; the op's default first
-    "8,4,2,2,4", "8,8,2,2,4", "8,4,4,1,4", "8,8,2,4,2", "8,2,2,2,4",
-    "16,4,2,4,4", "16,8,2,4,4", "16,4,4,2,4", "16,8,4,2,4", "16,2,2,4,4", "16,4,2,2,6",
-    "32,8,2,4,4", "32,4,2,4,4", "32,8,4,2,4",
+DEFAULT = [  # bits,lanes_m,warps_m,warps_n,min_blocks,load_bytes; the op's default first
+    "8,4,2,2,4,16", "8,4,4,1,4,16", "8,4,2,2,6,8", "8,4,2,4,3,8",
+    "16,4,2,2,6,16", "16,4,4,2,4,16", "16,4,2,2,8,8", "16,4,2,4,4,8", "16,8,2,2,8,8",
+    "32,4,2,4,4,16", "32,4,2,4,5,8",
 ]
 ANCHOR = {8: (3640, 3895), 16: (3909, 4098)}  # anchor GB/s: e4m3 / bf16, 2-D and batched
 DT = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}  # views of raw bytes
 
 
 def params(spec):
-    bits, lm, wm, wn, mb = map(int, spec.split(","))
-    return bits, dict(lanes_m=lm, warps_m=wm, warps_n=wn, min_blocks=mb)
+    bits, lm, wm, wn, mb, lb = map(int, spec.split(","))
+    return bits, dict(lanes_m=lm, warps_m=wm, warps_n=wn, min_blocks=mb, load_bytes=lb)
 
 
 def rand(shape, bits):
@@ -43,7 +43,7 @@ def main():
     kernels = tilelang.par_compile(funcs, target=target_of(arch_of(None)), num_workers=16,
                                    pass_configs=transpose_kernel.pass_configs)
     ks = {(s, "vector"): k for s, k in zip(specs, kernels)}
-    print(f"copy {copy_bandwidth_gbps():.0f} GB/s")
+    print(f"copy {copy_bandwidth_gbps():.0f} GB/s, timer {timing_backend()}")
     for spec in specs:
         bits, kw = params(spec)
         ok = True

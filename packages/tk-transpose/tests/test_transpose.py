@@ -98,6 +98,13 @@ def test_kernel_compiles(arch, elem_bits, mode):
         assert ("__byte_perm" in src) == (elem_bits < 32)
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("elem_bits", [8, 16, 32])
+def test_kernel_compiles_with_8_byte_loads(elem_bits):
+    src = assert_compiles(transpose_kernel, "sm_90a", elem_bits=elem_bits, mode="vector", load_bytes=8)
+    assert re.search(r"= \*\((uint2|ushort4|int2)\*\)\(x \+", src) and "tk_st128(" in src  # 8-byte loads
+
+
 # --- gpu tier -------------------------------------------------------------------------------------
 
 GPU_SHAPES = [(1, 1, 1), (1, 64, 64), (3, 100, 37), (2, 129, 257), (1, 4032, 576), (8, 256, 7168), (2, 7, 4099)]

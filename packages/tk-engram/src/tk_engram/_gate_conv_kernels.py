@@ -1,5 +1,5 @@
-"""TileLang kernels of GateConv forward, backward and decode (see ``gate_conv.py`` and ``decode.py`` for the
-math). Shared layout: one CTA owns whole d-rows; thread ``tx`` owns the 8-element column vectors
+"""TileLang kernels of GateConv forward and backward (see ``gate_conv.py`` for the math; the decode kernels
+live in ``decode.py``). Shared layout: one CTA owns whole d-rows; thread ``tx`` owns the 8-element column vectors
 ``(s * threads + tx) * 8 .. + 8`` for ``s < slots``, so every global access is a 16-byte vector and every
 per-column state (the convolution history rings in shared memory, the weight-gradient accumulators in
 registers) is private to one thread: only the per-token row reductions synchronise the CTA.
@@ -30,15 +30,32 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@kernel
-def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int):
-    slots, threads = row_layout(d)
+def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
+    """(slots, threads) of the forward: ``vecs`` 16-byte vectors per thread (more if 1024 threads would not
+    cover d), so that the per-token overhead (two-level reduction, gate scalars) spreads over 8*vecs elements."""
+    nvec = _cdiv(d, VEC)
+    slots = max(vecs, _cdiv(nvec, 1024))
+    return slots, _cdiv(_cdiv(nvec, slots), 32) * 32
+
+
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
+                         min_blocks: int = 2, early_v: bool = False):
+    """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
+    d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
+    overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle
+    reduction (lanes, then the warps' partials read by one lane each: same fixed order in every thread), the
+    next token's H, k, v already in flight in registers, and the n history as 16-byte vectors in shared memory.
+    ``early_v`` issues the next token's v with its H and k instead of after the barrier (v in flight for a
+    whole token, at the cost of its registers across the reduction)."""
+    slots, threads = fwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
     RS = max(R, 1)
     hist = dilation * R
     HS = max(hist, 1)
     DP = slots * threads * VEC
+    EV = slots * VEC
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")
@@ -63,24 +80,29 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
         eps: T.float32,
     ):
         with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bc, br, bm):
+            T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
             warp = tx // 32
             ring = T.alloc_shared((RS, DP), dtype)
-            red = T.alloc_shared((4, nwarps), f32)
+            red = T.alloc_shared((2, 4, 32), f32)
             tot = T.alloc_local((4,), f32)
             part = T.alloc_local((4,), f32)
             uu = T.alloc_local((VEC,), f32)
             wl = T.alloc_local((VEC,), dtype)
             cw = T.alloc_local((VEC,), dtype)
-            xh = T.alloc_local((slots * VEC,), dtype)
-            xk = T.alloc_local((slots * VEC,), dtype)
-            xv = T.alloc_local((slots * VEC,), dtype)
-            nh = T.alloc_local((slots * VEC,), dtype)
-            nk = T.alloc_local((slots * VEC,), dtype)
-            nv = T.alloc_local((slots * VEC,), dtype)
+            rg = T.alloc_local((VEC,), dtype)
+            xh = T.alloc_local((EV,), dtype)
+            xk = T.alloc_local((EV,), dtype)
+            xv = T.alloc_local((EV,), dtype)
+            nh = T.alloc_local((EV,), dtype)
+            nk = T.alloc_local((EV,), dtype)
+            nv = T.alloc_local((EV,), dtype)
+            yo = T.alloc_local((VEC,), dtype)
+            vo = T.alloc_local((VEC,), dtype)
+            no = T.alloc_local((VEC,), dtype)
             base = br + dilation * chunk * bc
-            # prefetch the first token of the walk
+            # the first token of the walk
             t0 = base - dilation * R
             if t0 >= 0 and t0 < L:
                 for s in T.unroll(slots):
@@ -94,13 +116,15 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             nv[s * VEC + e] = V[bm, t0, c0 + e]
             for it in T.serial(R + chunk):
                 t = base + dilation * (it - R)
-                slot = it % RS
-                for e in T.unroll(slots * VEC):
+                slot = T.truncmod(it, RS)
+                rb = T.truncmod(it, 2)
+                for e in T.unroll(EV):
                     xh[e] = nh[e]
                     xk[e] = nk[e]
                     xv[e] = nv[e]
                 tn = t + dilation
-                if it + 1 < R + chunk and tn >= 0 and tn < L:
+                pre = it + 1 < R + chunk and tn >= 0 and tn < L
+                if pre:
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
@@ -108,12 +132,19 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 nh[s * VEC + e] = H[bm, tn, c0 + e]
                             for e in T.vectorized(VEC):
                                 nk[s * VEC + e] = K[bm, tn, c0 + e]
-                            for e in T.vectorized(VEC):
-                                nv[s * VEC + e] = V[bm, tn, c0 + e]
+                            if early_v:
+                                for e in T.vectorized(VEC):
+                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
                 if t < 0:
+                    if pre and not early_v:
+                        for s in T.unroll(slots):
+                            c0 = (s * threads + tx) * VEC
+                            if c0 < d:
+                                for e in T.vectorized(VEC):
+                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        for e in T.unroll(VEC):
+                        for e in T.vectorized(VEC):
                             ring[slot, c0 + e] = T.cast(0, dtype)
                         if hist > 0:
                             if t >= L - hist and c0 < d:
@@ -136,19 +167,24 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 part[1] += kv * kv
                                 part[2] += hv * kv * (wh * wh)
                                 part[3] += vv * vv
-                    # CTA-wide sums (deterministic: fixed shuffle tree, then warps in order)
                     for q in T.unroll(4):
                         part[q] = T.warp_reduce_sum(part[q])
                     if lane == 0:
                         for q in T.unroll(4):
-                            red[q, warp] = part[q]
+                            red[rb, q, warp] = part[q]
                     T.sync_threads()
+                    # the next token's v only now (unless ``early_v``): H and k of this token are dead, which keeps
+                    # the register peak under the 2-CTA/SM cap (128)
+                    if pre and not early_v:
+                        for s in T.unroll(slots):
+                            c0 = (s * threads + tx) * VEC
+                            if c0 < d:
+                                for e in T.vectorized(VEC):
+                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
                     for q in T.unroll(4):
-                        tot[q] = T.float32(0)
-                    for w in T.serial(nwarps):
-                        for q in T.unroll(4):
-                            tot[q] += red[q, w]
-                    T.sync_threads()
+                        tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
+                    for q in T.unroll(4):
+                        tot[q] = T.warp_reduce_sum(tot[q])
                     r_h = T.rsqrt(tot[0] * inv_d + eps)
                     r_k = T.rsqrt(tot[1] * inv_d + eps)
                     sc = r_h * r_k * tot[2] * inv_sqrt_d
@@ -162,9 +198,6 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            yo = T.alloc_local((VEC,), dtype)
-                            vo = T.alloc_local((VEC,), dtype)
-                            no = T.alloc_local((VEC,), dtype)
                             for e in T.vectorized(VEC):
                                 wl[e] = w_v[c0 + e]
                             for e in T.vectorized(VEC):
@@ -175,13 +208,15 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
                                     cw[e] = conv_w[taps - 1 - q, c0 + e]
+                                for e in T.vectorized(VEC):
+                                    rg[e] = ring[T.truncmod(it - q + RS * taps, RS), c0 + e]
                                 for e in T.unroll(VEC):
-                                    uu[e] += T.cast(cw[e], f32) * T.cast(ring[(it - q + RS * taps) % RS, c0 + e], f32)
+                                    uu[e] += T.cast(cw[e], f32) * T.cast(rg[e], f32)
                             for e in T.unroll(VEC):
                                 vh = a * T.cast(xv[s * VEC + e], f32)
                                 vo[e] = T.cast(vh, dtype)
                                 yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
-                            for e in T.unroll(VEC):
+                            for e in T.vectorized(VEC):
                                 ring[slot, c0 + e] = no[e]
                             if it >= R:
                                 for e in T.vectorized(VEC):
@@ -248,7 +283,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             ring_n = T.alloc_shared((RS, DP), dtype)
             ring_g = T.alloc_shared((taps, DP), f32)
             accw = T.alloc_shared((2, DP), f32)
-            red = T.alloc_shared((4, nwarps), f32)
+            red = T.alloc_shared((2, 4, 32), f32)
             tot = T.alloc_local((4,), f32)
             ps = T.alloc_local((4,), f32)
             acc = T.alloc_local((taps * EV,), f32)
@@ -277,8 +312,8 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             for it in T.serial(2 * R + chunk):
                 # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 tj = base + dilation * (it - R)
-                sj = it % RS
-                gj = it % taps
+                sj = T.truncmod(it, RS)
+                gj = T.truncmod(it, taps)
                 if tj < 0:
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
@@ -304,7 +339,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(nn[e], f32)
                                 for q in T.unroll(1, taps):
                                     uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(
-                                        ring_n[(it - q + RS * taps) % RS, c0 + e], f32
+                                        ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e], f32
                                     )
                                 sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
                                 gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
@@ -314,7 +349,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                         acc[(taps - 1) * EV + s * VEC + e] += gu * T.cast(nn[e], f32)
                                         for q in T.unroll(1, taps):
                                             acc[(taps - 1 - q) * EV + s * VEC + e] += gu * T.cast(
-                                                ring_n[(it - q + RS * taps) % RS, c0 + e], f32
+                                                ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e], f32
                                             )
                             for e in T.unroll(VEC):
                                 ring_n[sj, c0 + e] = nn[e]
@@ -354,7 +389,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 uu[0] = T.float32(0)
                                 for q in T.unroll(taps):
                                     uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
-                                        (it - R + q + taps * taps) % taps, c0 + e
+                                        T.truncmod(it - R + q + taps * taps, taps), c0 + e
                                     ]
                                 if keep_gn:
                                     gn[s * VEC + e] = uu[0]
@@ -364,18 +399,20 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 ps[1] += vv * vv
                                 ps[2] += T.cast(xd[e], f32) * vv
                                 ps[3] += T.cast(xa[e], f32) * T.cast(xb[e], f32) * (wh * wh)
+                    # CTA-wide sums: lanes, then the warps' partials read by one lane each and summed by the
+                    # same shuffle tree (fixed order, identical in every thread); ``red`` is double-buffered,
+                    # so one barrier per token suffices.
+                    rb = T.truncmod(it, 2)
                     for q in T.unroll(4):
                         ps[q] = T.warp_reduce_sum(ps[q])
                     if lane == 0:
                         for q in T.unroll(4):
-                            red[q, warp] = ps[q]
+                            red[rb, q, warp] = ps[q]
                     T.sync_threads()
                     for q in T.unroll(4):
-                        tot[q] = T.float32(0)
-                    for w in T.serial(nwarps):
-                        for q in T.unroll(4):
-                            tot[q] += red[q, w]
-                    T.sync_threads()
+                        tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
+                    for q in T.unroll(4):
+                        tot[q] = T.warp_reduce_sum(tot[q])
                     c1 = rv * rv * rv * (a * tot[0]) * inv_d
                     ga = rv * tot[0] - c1 * a * tot[1] + tot[2]
                     cc = ga * a * (T.float32(1) - a) * inv_sqrt_d * rh * rk
@@ -411,7 +448,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     uu[0] = T.float32(0)
                                     for q in T.unroll(taps):
                                         uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
-                                            (it - R + q + taps * taps) % taps, c0 + e
+                                            T.truncmod(it - R + q + taps * taps, taps), c0 + e
                                         ]
                                 g = uu[0]
                                 gvh = rv * T.cast(wm[e], f32) * g - c1 * vh + T.cast(xd[e], f32)
@@ -519,149 +556,5 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
                 for p in T.unroll(taps):
                     for e in T.vectorized(VEC):
                         part[pid, p, c0 + e] = acc[p * VEC + e]
-
-    return main
-
-
-@kernel
-def decode_proj_kernel(dtype: str, d_mem: int, d: int, block_m: int = 64, block_n: int = 32, block_k: int = 128,
-                       stages: int = 4):
-    """out = e @ W (float32 accumulation on tensor cores, rounded to ``dtype``); launched once for W_K and
-    once for W_V. Grid: (d / block_n, batch / block_m); each CTA streams one block_n-wide column panel of W
-    through a ``stages``-deep TMA pipeline, so W is read once whatever the batch (up to block_m rows).
-    block_n = 32 gives d/32 CTAs (128 at d = 4096: about one per SM) with stages*block_k*block_n*2 = 32 KiB
-    of W in flight each."""
-    B = T.dynamic("batch")
-    f32 = "float32"
-
-    @T.prim_func
-    def main(
-        E: T.Tensor((B, d_mem), dtype),
-        W: T.Tensor((d_mem, d), dtype),
-        Out: T.Tensor((B, d), dtype),
-    ):
-        with T.Kernel(T.ceildiv(d, block_n), T.ceildiv(B, block_m), threads=128) as (bx, by):
-            A_s = T.alloc_shared((block_m, block_k), dtype)
-            W_s = T.alloc_shared((block_k, block_n), dtype)
-            C = T.alloc_fragment((block_m, block_n), f32)
-            T.clear(C)
-            for kk in T.Pipelined(T.ceildiv(d_mem, block_k), num_stages=stages):
-                T.copy(E[by * block_m, kk * block_k], A_s)
-                T.copy(W[kk * block_k, bx * block_n], W_s)
-                T.gemm(A_s, W_s, C)
-            for i, j in T.Parallel(block_m, block_n):
-                if by * block_m + i < B and bx * block_n + j < d:
-                    Out[by * block_m + i, bx * block_n + j] = T.cast(C[i, j], dtype)
-
-    return main
-
-
-@kernel
-def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int):
-    """One decode step per batch row (one CTA per row): the gate of (h, k, v) as in the prefill, n, the
-    dilated causal convolution over the ring cache, y; writes n into the cache slot pos mod L in place."""
-    slots, threads = row_layout(d)
-    nwarps = threads // 32
-    R = taps - 1
-    inv_d = 1.0 / d
-    inv_sqrt_d = 1.0 / math.sqrt(d)
-    B = T.dynamic("batch")
-    LC = T.dynamic("cache_len")
-    f32 = "float32"
-
-    @T.prim_func
-    def main(
-        Hx: T.Tensor((B, d), dtype),
-        Kp: T.Tensor((B, d), dtype),
-        Vp: T.Tensor((B, d), dtype),
-        w_h: T.Tensor((d,), dtype),
-        w_v: T.Tensor((d,), dtype),
-        conv_w: T.Tensor((taps, d), dtype),
-        state: T.Tensor((B, LC, d), dtype),
-        pos: T.Tensor((B,), "int32"),
-        Y: T.Tensor((B, d), dtype),
-        eps: T.float32,
-    ):
-        with T.Kernel(B, threads=threads) as bb:
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            warp = tx // 32
-            red = T.alloc_shared((4, nwarps), f32)
-            tot = T.alloc_local((4,), f32)
-            part = T.alloc_local((4,), f32)
-            xh = T.alloc_local((VEC,), dtype)
-            xk = T.alloc_local((VEC,), dtype)
-            xv = T.alloc_local((VEC,), dtype)
-            wl = T.alloc_local((VEC,), dtype)
-            cw = T.alloc_local((taps * VEC,), dtype)
-            st = T.alloc_local((VEC,), dtype)
-            no = T.alloc_local((VEC,), dtype)
-            yo = T.alloc_local((VEC,), dtype)
-            uu = T.alloc_local((VEC,), f32)
-            p0 = pos[bb]
-            for q in T.unroll(4):
-                part[q] = T.float32(0)
-            for s in T.unroll(slots):
-                c0 = (s * threads + tx) * VEC
-                if c0 < d:
-                    for e in T.vectorized(VEC):
-                        xh[e] = Hx[bb, c0 + e]
-                    for e in T.vectorized(VEC):
-                        xk[e] = Kp[bb, c0 + e]
-                    for e in T.vectorized(VEC):
-                        xv[e] = Vp[bb, c0 + e]
-                    for e in T.vectorized(VEC):
-                        wl[e] = w_h[c0 + e]
-                    for e in T.unroll(VEC):
-                        hv = T.cast(xh[e], f32)
-                        kv = T.cast(xk[e], f32)
-                        vv = T.cast(xv[e], f32)
-                        wh = T.cast(wl[e], f32)
-                        part[0] += hv * hv
-                        part[1] += kv * kv
-                        part[2] += hv * kv * (wh * wh)
-                        part[3] += vv * vv
-            for q in T.unroll(4):
-                part[q] = T.warp_reduce_sum(part[q])
-            if lane == 0:
-                for q in T.unroll(4):
-                    red[q, warp] = part[q]
-            T.sync_threads()
-            for q in T.unroll(4):
-                tot[q] = T.float32(0)
-            for w in T.serial(nwarps):
-                for q in T.unroll(4):
-                    tot[q] += red[q, w]
-            r_h = T.rsqrt(tot[0] * inv_d + eps)
-            r_k = T.rsqrt(tot[1] * inv_d + eps)
-            sc = r_h * r_k * tot[2] * inv_sqrt_d
-            a = T.float32(1) / (T.float32(1) + T.exp(-sc))
-            r_v = T.rsqrt(a * a * (tot[3] * inv_d) + eps)
-            for s in T.unroll(slots):
-                c0 = (s * threads + tx) * VEC
-                if c0 < d:
-                    for e in T.vectorized(VEC):
-                        xv[e] = Vp[bb, c0 + e]
-                    for e in T.vectorized(VEC):
-                        wl[e] = w_v[c0 + e]
-                    for p in T.unroll(taps):
-                        for e in T.vectorized(VEC):
-                            cw[p * VEC + e] = conv_w[p, c0 + e]
-                    for e in T.unroll(VEC):
-                        no[e] = T.cast(a * T.cast(xv[e], f32) * T.cast(wl[e], f32) * r_v, dtype)
-                        uu[e] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
-                    for q in T.unroll(1, taps):
-                        for e in T.vectorized(VEC):
-                            st[e] = state[bb, T.floormod(p0 - q * dilation, LC), c0 + e]
-                        for e in T.unroll(VEC):
-                            uu[e] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(st[e], f32)
-                    for e in T.unroll(VEC):
-                        vh = a * T.cast(xv[e], f32)
-                        yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
-                    for e in T.vectorized(VEC):
-                        Y[bb, c0 + e] = yo[e]
-                    if R > 0:
-                        for e in T.vectorized(VEC):
-                            state[bb, T.floormod(p0, LC), c0 + e] = no[e]
 
     return main

@@ -36,14 +36,14 @@ gradient for them.
 Errors: ``TypeError`` for wrong dtypes, ``ValueError`` for shapes, devices, strides and scalars, each as
 ``"<op>: <arg> must be <expected>, got <actual>"``.
 
-Kernels (``_gate_kernels.py``): persistent CTAs over (token chunk, stream), one wave; x and k stay in
-registers between the reduction and the output pass, all accesses are 16-byte vectors, and the next
-token's rows are bulk-prefetched into L2 while the current one is processed. The backward accumulates
-its chunk's weight gradient in registers and writes one partial row per CTA.
+Kernels (``_gate_kernels.py``): persistent CTAs over (token chunk, stream), one wave, a thread owning at
+most 4 vectors of a row (224 threads at H = 7168); all of a token's loads are issued together (registers
+and cp.async copies into shared memory) and all accesses are 16-byte vectors; the backward copies the next
+token's x and k rows into shared memory while the current token is processed. The backward accumulates its
+chunk's weight gradient in registers and writes one partial row per CTA.
 """
 
 import math
-import os
 
 import torch
 
@@ -63,9 +63,6 @@ from ._gate_kernels import (
 )
 
 HIDDEN_ALIGN = 64
-# Bulk L2 prefetch of the next token's rows in the persistent gate kernels (a runtime argument: switch it
-# off with TK_ENGRAM_PREFETCH=0 or by setting this attribute, e.g. to compare in a benchmark).
-PREFETCH = os.environ.get("TK_ENGRAM_PREFETCH", "1") not in ("", "0")
 
 
 def _vec_view(t: torch.Tensor):
@@ -115,7 +112,7 @@ def _launch_gate_fwd(hidden_states, k, v, weight_fused, eps, clamp_value, out, s
     mask = (image_token_mask.view(torch.uint8),) if masked else ()
     kern(
         X, K, V, weight_fused, out, *saved, *mask,
-        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts, int(PREFETCH),
+        sx0, sx1, sk0, sk1, sv0, eps, clamp_value, chunk, parts,
     )
 
 
@@ -184,7 +181,7 @@ def _gate_bwd_op(
     mask = (image_token_mask.view(torch.uint8),) if masked else ()
     kern(
         Gf, X, K, V, weight_fused, dot, gate_score, rstd_x, rstd_k, grad_x, grad_k, grad_v, grad_w_partial, *mask,
-        sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk, int(PREFETCH),
+        sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp_value, chunk,
     )
 
 

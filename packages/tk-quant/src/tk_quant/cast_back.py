@@ -11,9 +11,11 @@ with RNE (identity for fp32). Needs ``H % 16 == 0``. ``T == 0`` returns an empty
 Errors: TypeError for wrong types/dtypes, ValueError for bad ``fmt``/``x_special_fmt``, block sizes,
 shapes. CPU tensors run ``tk_quant.reference.cast_back`` / ``cast_back_from_e5m6``.
 
-Kernel: registers only. Each thread decodes 16 (e4m3, e5m6) or 32 (e2m1) consecutive elements from one
-16-byte (e5m6: 24-byte) load, reads its scale once when ``bk`` is a multiple of that width (else one per
-element) and writes 16-byte vectors. Token count and strides are runtime values.
+Kernel: registers only. A thread handles ``units`` 16-byte output vectors (4 fp32 / 8 bf16 values) with lane
+``l`` of a warp on vector ``32*k + l``, so each warp store writes 512 contiguous bytes (coalesced); it issues
+all its loads (2-8 bytes per vector; e5m6: two or three words) before decoding; threads whose vectors are all
+in range run a copy without bound checks, which keeps those loads together. Token count and strides are
+runtime values.
 """
 
 import tilelang.language as T
@@ -31,10 +33,6 @@ from .per_token_cast import _decode_e2m1, _load_sf
 _PASS = {"tl.disable_safe_memory_legalize": True}
 _SF_DTYPE = {"fp32": "float32", "packed": "uint8", "e4m3": "float8_e4m3fn"}
 _DATA_DTYPE = {"e4m3": "float8_e4m3fn", "e2m1": "int8", "e5m6": "int32"}
-
-
-def _vec(fmt: str, hidden: int) -> int:
-    return 32 if fmt == "e2m1" and hidden % 32 == 0 else 16
 
 
 def _e5m6_code(xr, j: int, i: int):
@@ -57,24 +55,45 @@ def _e5m6_code(xr, j: int, i: int):
     return T.bitwise_and(w2, T.uint32(0xFFF))
 
 
-def _e5m6_value(xr, j: int, i: int):
-    """The exact float32 value of code ``i``: the code is the top 12 bits of an fp16."""
-    h = T.cast(T.shift_left(_e5m6_code(xr, j, i), 4), "uint16")
+def _e5m6_half_codes(wa, w1, h):
+    """The 4 codes of half ``h`` (0 or 1) of a 3-word group, from word ``2h`` (``wa``) and word 1 (``w1``).
+
+    Codes run most-significant first through the 96 bits ``w0 w1 w2``, so either half is a 48-bit run
+    ``hi:lo16`` (half 0: ``w0 : w1[31:16]``, half 1: ``w1[15:0] w2[31:16] : w2[15:0]``), selected without a branch."""
+    hi = T.if_then_else(h == 1, T.bitwise_or(T.shift_left(w1, 16), T.shift_right(wa, 16)), wa)
+    lo = T.if_then_else(h == 1, T.bitwise_and(wa, T.uint32(0xFFFF)), T.shift_right(w1, 16))
+    return (
+        T.shift_right(hi, 20),
+        T.bitwise_and(T.shift_right(hi, 8), T.uint32(0xFFF)),
+        T.bitwise_or(T.shift_left(T.bitwise_and(hi, T.uint32(0xFF)), 4), T.shift_right(lo, 12)),
+        T.bitwise_and(lo, T.uint32(0xFFF)),
+    )
+
+
+def _e5m6_to_float(code):
+    """The exact float32 value of a 12-bit code: the code is the top 12 bits of an fp16."""
+    h = T.cast(T.shift_left(code, 4), "uint16")
     return T.cast(T.call_extern("float16", "__ushort_as_half", h), "float32")
 
 
 @kernel(pass_configs=_PASS)
-def cast_back_kernel(fmt: str, out_dtype: str, hidden: int, bm: int, bk: int, sf: str = "fp32", threads: int = 256):
+def cast_back_kernel(fmt: str, out_dtype: str, hidden: int, bm: int, bk: int, sf: str = "fp32", threads: int = 128,
+                     units: int = 2, split: bool = True, min_blocks: int = 0):
+    """A unit is one 16-byte output vector (4 fp32 / 8 bf16 values). Unit ``(bx*units + j)*threads + tx`` is
+    thread ``tx``'s ``j``-th, so each warp store covers 512 contiguous bytes; all loads are issued first.
+    ``split``: a copy without bound checks for threads whose units are all in range. ``min_blocks``: CTAs per
+    SM the registers must allow (0: a full SM, 2048 threads, for ``units <= 2``; 1: no cap)."""
     t = T.dynamic("num_tokens")
     xs = T.dynamic("x_stride")
     nsf, ny = T.dynamic("nsf"), T.dynamic("ny")
-    v = _vec(fmt, hidden)
-    nv = hidden // v
-    vin = {"e4m3": v, "e2m1": v // 2, "e5m6": v * 3 // 8}[fmt]  # physical input elements per thread
-    hp = hidden * vin // v
-    lw = {"e4m3": 16, "e2m1": 16, "e5m6": 2}[fmt]
     ow = 4 if out_dtype == "float32" else 8
-    one_scale = bk % v == 0
+    nu = hidden // ow  # units per row (even: hidden % 16 == 0)
+    hp = {"e4m3": hidden, "e2m1": hidden // 2, "e5m6": hidden * 3 // 8}[fmt]
+    # input elements per unit: e5m6 -> bf16 reads a whole 3-word group, -> fp32 two of its words
+    vin = {"e4m3": ow, "e2m1": ow // 2, "e5m6": 3 if ow == 8 else 2}[fmt]
+    lw = 1 if fmt == "e5m6" else vin  # one vector load per unit (e5m6: word loads, 12-byte lane stride)
+    one_scale = bk % ow == 0
+    lanes = list(range(ow))  # a Python list: the loop over a vector's values unrolls while tracing (int indices)
 
     @T.prim_func
     def main(
@@ -84,45 +103,64 @@ def cast_back_kernel(fmt: str, out_dtype: str, hidden: int, bm: int, bk: int, sf
         s0: T.int32,
         s1: T.int32,
     ):
-        with T.Kernel(T.ceildiv(t * nv, threads), threads=threads) as bx:
+        with T.Kernel(T.ceildiv(t * nu, threads * units), threads=threads) as bx:
             T.assume(xs % lw == 0)
+            if (min_blocks or (2048 // threads if units <= 2 else 1)) > 1:
+                # the split copy of 2 units takes up to 40 registers alone (6 CTAs of 256 threads); 32 keep 64 warps
+                T.annotate_min_blocks_per_sm(min_blocks or 2048 // threads)
             tx = T.get_thread_binding()
-            xr = T.alloc_local((vin,), _DATA_DTYPE[fmt])
-            xv = T.alloc_local((v,), "float32")
-            yv = T.alloc_local((v,), out_dtype)
-            g = bx * threads + tx
-            row = g // nv
-            col = (g % nv) * v
-            if row < t:
-                for j in T.unroll(vin // lw):
-                    for i in T.vectorized(lw):
-                        xr[j * lw + i] = X[row, col * vin // v + j * lw + i]
-                if fmt == "e4m3":
-                    for i in T.unroll(v):
-                        xv[i] = T.cast(xr[i], "float32")
-                elif fmt == "e2m1":
-                    for i in T.unroll(v):
-                        xv[i] = _decode_e2m1(T.cast(xr[i // 2], "int32"), i % 2)
-                else:
-                    for j in T.unroll(2):
-                        xv[j * 8 + 0] = _e5m6_value(xr, j, 0)
-                        xv[j * 8 + 1] = _e5m6_value(xr, j, 1)
-                        xv[j * 8 + 2] = _e5m6_value(xr, j, 2)
-                        xv[j * 8 + 3] = _e5m6_value(xr, j, 3)
-                        xv[j * 8 + 4] = _e5m6_value(xr, j, 4)
-                        xv[j * 8 + 5] = _e5m6_value(xr, j, 5)
-                        xv[j * 8 + 6] = _e5m6_value(xr, j, 6)
-                        xv[j * 8 + 7] = _e5m6_value(xr, j, 7)
-                if one_scale:
-                    s = _load_sf(sf, SF, row // bm, col // bk, s0, s1)
-                    for i in T.unroll(v):
-                        yv[i] = T.cast(xv[i] * s, out_dtype)
-                else:
-                    for i in T.unroll(v):
-                        yv[i] = T.cast(xv[i] * _load_sf(sf, SF, row // bm, (col + i) // bk, s0, s1), out_dtype)
-                for j in T.unroll(v // ow):
-                    for i in T.vectorized(ow):
-                        Y[row * hidden + col + j * ow + i] = yv[j * ow + i]
+            # int32 row / column of each unit: as expressions they would be widened to int64 (slow 64-bit div/mod)
+            rows = T.alloc_local((units,), "int32")
+            qs = T.alloc_local((units,), "int32")
+            xr = T.alloc_local((units * vin,), _DATA_DTYPE[fmt])
+            yv = T.alloc_local((units * ow,), out_dtype)
+            # Threads whose units are all in range run a copy without per-unit checks: with them nvcc sinks each
+            # unit's loads into its guarded decode block, so a thread has one unit's loads in flight at a time.
+            last = (bx * units + units - 1) * threads + tx
+            for tail in (False, True) if split else (True,):  # a Python loop: one traced copy per case
+                if not split or (last >= t * nu if tail else last < t * nu):
+                    for j in T.unroll(units):
+                        u = (bx * units + j) * threads + tx
+                        rows[j] = T.truncdiv(u, nu)
+                        qs[j] = u - rows[j] * nu
+                        row = rows[j]
+                        q = qs[j]
+                        if not tail or u < t * nu:
+                            if fmt == "e5m6" and ow == 4:
+                                g3 = T.shift_right(q, 1) * 3
+                                xr[j * 2] = X[row, g3 + T.bitwise_and(q, 1) * 2]
+                                xr[j * 2 + 1] = X[row, g3 + 1]
+                            elif fmt == "e5m6":
+                                for n in T.unroll(3):
+                                    xr[j * 3 + n] = X[row, q * 3 + n]
+                            else:
+                                for i in T.vectorized(vin):
+                                    xr[j * vin + i] = X[row, q * vin + i]
+                    for j in T.unroll(units):
+                        u = (bx * units + j) * threads + tx
+                        row = rows[j]
+                        q = qs[j]
+                        col = q * ow
+                        if not tail or u < t * nu:
+                            if one_scale:
+                                s = _load_sf(sf, SF, T.truncdiv(row, bm), T.truncdiv(col, bk), s0, s1)
+                            if fmt == "e5m6" and ow == 4:
+                                codes = _e5m6_half_codes(T.reinterpret(xr[j * 2], "uint32"),
+                                                         T.reinterpret(xr[j * 2 + 1], "uint32"), T.bitwise_and(q, 1))
+                            for i in lanes:
+                                if fmt == "e4m3":
+                                    xv = T.cast(xr[j * vin + i], "float32")
+                                elif fmt == "e2m1":
+                                    xv = _decode_e2m1(T.cast(xr[j * vin + i // 2], "int32"), i % 2)
+                                elif ow == 4:
+                                    xv = _e5m6_to_float(codes[i])
+                                else:
+                                    xv = _e5m6_to_float(_e5m6_code(xr, j, i))
+                                if not one_scale:
+                                    s = _load_sf(sf, SF, T.truncdiv(row, bm), T.truncdiv(col + i, bk), s0, s1)
+                                yv[j * ow + i] = T.cast(xv * s, out_dtype)
+                            for i in T.vectorized(ow):
+                                Y[u * ow + i] = yv[j * ow + i]
 
     return main
 

@@ -26,10 +26,12 @@ Constraints: ``fmt == 'e4m3'``; ``H % 64 == 0`` (``H % 128 == 0`` for QuantTenso
 inputs; outputs on ``x``'s device. Reference: ``tk_quant.reference.cast(x, 'e4m3', (bm, 1), round_sf)`` and
 ``tk_quant.reference.per_channel_cast_fused``.
 
-Kernel: 256 threads over a 128-token x 64-channel tile; each thread loads 8 channels (one 16-byte bf16
-vector) of 4 rows and keeps them in registers; the column amax goes through warp shuffles and one
-shared-memory exchange; the transposed variant stages the e4m3 tile in padded shared memory and stores
-16-byte runs of tokens. The token counts are dynamic.
+Kernel: 256 threads over a 128-token x 64-channel tile (128 x 128 for e4m3 input); each thread loads 8
+channels (one 16-byte bf16 vector; 16 e4m3 channels) of 4 rows and keeps them in registers; the column
+amax goes through warp shuffles and one shared-memory exchange; the transposed variant stages the e4m3
+tile in XOR-swizzled shared memory and stores 16-byte runs of tokens. A persistent grid (SMs x 4 CTAs for
+bf16 on sm_90a) walks the tiles and prefetches the next tile into registers (issued first in the
+iteration) while the current one is reduced and stored. The token counts are dynamic.
 """
 
 import tilelang.language as T
@@ -37,43 +39,129 @@ import torch
 
 from tk_core import checks
 from tk_core.config import get_amax_clamp
-from tk_core.jit import kernel
+from tk_core.jit import arch_of, kernel
 from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
 from . import _tl
 
-VEC = 8
 THREADS = 256
 BM = 128  # tokens per tile
-BK = 64  # channels per tile
-TPR = BK // VEC  # 8 threads per row
+TPR = 8  # threads per row
 RPP = THREADS // TPR  # 32 rows per pass
 P = BM // RPP  # 4 passes
 WARPS = THREADS // 32
 ROWS_PER_WARP = 32 // TPR * P  # 16: each thread owns P adjacent rows
-PADW = BM // 4 + 1  # words per staged channel row (odd: few bank conflicts)
+DEFAULT_SMS = 132  # H200; the device ops pass the SM count of the tensor's device
+
+
+def blocks_per_sm(in_dtype: str, arch: str = "") -> int:
+    """CTAs per SM the register budget must allow (both tile buffers in registers, no spills).
+
+    bf16: 4 (64 registers) on sm_90a; sm_100a code spills there and gets 3. fp32 tiles are twice the
+    registers (and the bytes in flight): 2. e4m3 (16-channel rows, ``default_vec``): 3 (80 registers; 64 spill).
+    """
+    if in_dtype == "float32":
+        return 2
+    if in_dtype == "float8_e4m3fn":
+        return 3
+    return 4 if arch == "sm_90a" else 3
+
+
+def default_vec(quant_in: bool) -> int:
+    """Channels per thread: 8 (a 16-byte bf16 load; 128 x 64 tiles), 16 for e4m3 input (a 16-byte load too;
+    128 x 128 tiles). The loop is close to issue-bound, and an 8-channel e4m3 tile carries two thirds of the
+    bytes of a bf16 one for about the same per-thread overhead (index math, barriers, scale phase)."""
+    return 16 if quant_in else 8
+
+
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-@kernel
-def per_channel_cast_kernel(in_dtype: str, hidden: int, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool):
-    """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales)."""
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+def per_channel_cast_kernel(
+    in_dtype: str,
+    hidden: int,
+    bm: int,
+    round_sf: bool,
+    gather: bool,
+    quant_in: bool,
+    transpose: bool,
+    min_blocks: int = 0,
+    ctas: int = 0,
+    vec: int = 0,
+):
+    """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
+
+    Persistent: at most ``ctas`` CTAs (SMs x ``min_blocks``) loop over the 128 x 64 tiles, and each loads
+    its next tile into a second register buffer while it reduces, scales and stores the current one, so
+    loads stay in flight across the barriers. The rows stay in registers in their input dtype (a bf16 row
+    of 8 channels is 4 registers, an e4m3 row of 16 channels too) and are widened twice, for the amax and for the
+    quantization: half the registers of fp32 copies. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
+    an unnamed arch, and ``DEFAULT_SMS`` SMs. ``vec``: channels per thread (0: ``default_vec``); the tile is
+    128 x ``8 * vec``.
+    """
+    VEC = vec or default_vec(quant_in)
+    BK = TPR * VEC  # channels per tile
+    assert not (transpose and VEC != 8)  # the swizzled transpose staging is laid out for 64-channel tiles
+    min_blocks = min_blocks or blocks_per_sm(in_dtype)
+    ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
     num_out = T.dynamic("num_out")
     NBT = BM // bm  # scale blocks per tile
-    assert BM % bm == 0 and bm % ROWS_PER_WARP == 0
+    NX = hidden // BK  # channel tiles
+    assert BM % bm == 0 and bm % ROWS_PER_WARP == 0 and NBT * BK <= THREADS
     nt16 = T.dynamic("nt16")
     out_shape = (hidden, nt16, 4) if transpose else (num_out, hidden)
     out_dtype = "uint32" if transpose else "float8_e4m3fn"
 
     WPB = bm // ROWS_PER_WARP  # warps per scale block
 
+    def value(xr, s_in, p, v):
+        """Element ``(p, v)`` as fp32 (rows out of range hold zeros, and ``s_in`` 0)."""
+        if quant_in:
+            return T.cast(xr[p, v], "float32") * s_in[p]
+        return T.cast(xr[p, v], "float32")
+
+    @T.macro
+    def load(x, x_sf, pos, err, xr, s_in, ok, src, tile, tx, c8, r0):
+        bx = T.truncmod(tile, NX)
+        by = T.truncdiv(tile, NX)
+        for p in T.unroll(P):
+            r = by * BM + r0 + p
+            src[0] = r
+            ok[0] = T.if_then_else(r < num_out, 1, 0)
+            if gather:
+                src[0] = T.if_then_else(r < num_out, pos[T.min(r, num_out - 1)], -1)
+                if src[0] >= num_tokens:
+                    ok[0] = 0
+                    if bx == 0 and tx % TPR == 0:
+                        T.atomic_add(err[0], 1)
+                if src[0] < 0:
+                    ok[0] = 0
+            if ok[0] != 0:
+                if quant_in:
+                    s_in[p] = x_sf[src[0], (bx * BK + c8) // 128]
+                for v in T.vectorized(VEC):
+                    xr[p, v] = x[src[0], bx * BK + c8 + v]
+            else:
+                if quant_in:
+                    s_in[p] = T.float32(0)
+                for v in T.vectorized(VEC):
+                    xr[p, v] = T.cast(0, in_dtype)
+
     @T.macro
     def body(x, x_sf, pos, out, sf, err, clamp_min):
-        with T.Kernel(hidden // BK, T.ceildiv(num_out, BM), threads=THREADS) as (bx, by):
+        ntiles = NX * T.ceildiv(num_out, BM)
+        nctas = T.min(ntiles, ctas)
+        with T.Kernel(nctas, threads=THREADS) as bid:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            xv = T.alloc_local((P, VEC), "float32")
+            xr = T.alloc_local((P, VEC), in_dtype)
+            xn = T.alloc_local((P, VEC), in_dtype)
+            s_in = T.alloc_local((P,), "float32")
+            s_n = T.alloc_local((P,), "float32")
             am = T.alloc_local((VEC,), "float32")
             si = T.alloc_local((VEC,), "float32")
             ok = T.alloc_local((1,), "int32")
@@ -81,88 +169,81 @@ def per_channel_cast_kernel(in_dtype: str, hidden: int, bm: int, round_sf: bool,
             red = T.alloc_shared((WARPS, BK), "float32")
             sis = T.alloc_shared((NBT, BK), "float32")
             c8 = (tx % TPR) * VEC
-            col = bx * BK + c8
             r0 = (tx // TPR) * P  # this thread's first row in the tile (P adjacent rows, one scale block)
-            for v in T.unroll(VEC):
-                am[v] = T.float32(0)
-            for p in T.unroll(P):
-                r = by * BM + r0 + p
-                src[0] = r
-                ok[0] = T.if_then_else(r < num_out, 1, 0)
-                if gather:
-                    src[0] = T.if_then_else(r < num_out, pos[T.min(r, num_out - 1)], -1)
-                    if src[0] >= num_tokens:
-                        ok[0] = 0
-                        if bx == 0 and tx % TPR == 0:
-                            T.atomic_add(err[0], 1)
-                    if src[0] < 0:
-                        ok[0] = 0
-                if ok[0] != 0:
-                    if quant_in:
-                        s_in = x_sf[src[0], col // 128]
-                        for v in T.unroll(VEC):
-                            xv[p, v] = T.cast(x[src[0], col + v], "float32") * s_in
-                    else:
-                        for v in T.vectorized(VEC):
-                            xv[p, v] = T.cast(x[src[0], col + v], "float32")
-                else:
-                    for v in T.unroll(VEC):
-                        xv[p, v] = T.float32(0)
+            niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
+
+            load(x, x_sf, pos, err, xr, s_in, ok, src, bid, tx, c8, r0)
+            for it in T.serial(niter):
+                tile = bid + it * nctas
+                bx = T.truncmod(tile, NX)
+                by = T.truncdiv(tile, NX)
+                # the next tile's loads go out first: they then have the whole iteration to land
+                if it + 1 < niter:
+                    load(x, x_sf, pos, err, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
                 for v in T.unroll(VEC):
-                    am[v] = T.max(am[v], T.abs(xv[p, v]))
-            for v in T.unroll(VEC):
-                am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
-                am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
-                if tx % 32 < TPR:
-                    red[tx // 32, c8 + v] = am[v]
-            T.sync_threads()
-            if tx < NBT * BK:
-                b = tx // BK
-                c = tx % BK
-                m = T.alloc_local((1,), "float32")
-                m[0] = red[b * WPB, c]
-                for w in T.unroll(1, WPB):
-                    m[0] = T.max(m[0], red[b * WPB + w, c])
-                s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
-                sis[b, c] = s_inv
-                if (by * NBT + b) * bm < num_out:
-                    sf[by * NBT + b, bx * BK + c] = s
-            T.sync_threads()
-            for v in T.unroll(VEC):
-                si[v] = sis[r0 // bm, c8 + v]
-            if transpose:
-                qs = T.alloc_shared((BK, PADW), "uint32")
-                ql = T.alloc_local((P,), "float8_e4m3fn")
-                ow = T.alloc_local((4,), "uint32")
-                for v in T.unroll(VEC):
-                    for p in T.unroll(P):
-                        ql[p] = T.cast(xv[p, v] * si[v], "float8_e4m3fn")
-                    qs[c8 + v, r0 // 4] = T.bitwise_or(
-                        T.bitwise_or(
-                            T.cast(T.reinterpret(ql[0], "uint8"), "uint32"),
-                            T.shift_left(T.cast(T.reinterpret(ql[1], "uint8"), "uint32"), 8),
-                        ),
-                        T.bitwise_or(
-                            T.shift_left(T.cast(T.reinterpret(ql[2], "uint8"), "uint32"), 16),
-                            T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
-                        ),
-                    )
-                T.sync_threads()
-                for q in T.unroll(BK * BM // 16 // THREADS):
-                    chunk = q * THREADS + tx
-                    c = chunk // (BM // 16)
-                    k = chunk % (BM // 16)
-                    if by * (BM // 16) + k < nt16:
-                        for v in T.unroll(4):
-                            ow[v] = qs[c, 4 * k + v]
-                        for v in T.vectorized(4):
-                            out[bx * BK + c, by * (BM // 16) + k, v] = ow[v]
-            else:
+                    am[v] = T.float32(0)
                 for p in T.unroll(P):
-                    r = by * BM + r0 + p
-                    if r < num_out:
-                        for v in T.vectorized(VEC):
-                            out[r, col + v] = T.cast(xv[p, v] * si[v], "float8_e4m3fn")
+                    for v in T.unroll(VEC):
+                        am[v] = T.max(am[v], T.abs(value(xr, s_in, p, v)))
+                for v in T.unroll(VEC):
+                    am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
+                    am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
+                    if tx % 32 < TPR:
+                        red[tx // 32, c8 + v] = am[v]
+                T.sync_threads()
+                if tx < NBT * BK:
+                    b = tx // BK
+                    c = tx % BK
+                    m = T.alloc_local((1,), "float32")
+                    m[0] = red[b * WPB, c]
+                    for w in T.unroll(1, WPB):
+                        m[0] = T.max(m[0], red[b * WPB + w, c])
+                    s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
+                    sis[b, c] = s_inv
+                    if (by * NBT + b) * bm < num_out:
+                        sf[by * NBT + b, bx * BK + c] = s
+                T.sync_threads()
+                for v in T.unroll(VEC):
+                    si[v] = sis[r0 // bm, c8 + v]
+                if transpose:
+                    # e4m3 tile, channel-major, 4 tokens per word. The 16-byte groups of a channel row are
+                    # XOR-swizzled by (channel // 8) % 8: the word stores of a warp (8 channels 8 apart) hit 32
+                    # banks, and the read side copies whole 16-byte groups (LDS.128 -> STG.128).
+                    qs = T.alloc_shared((BK, BM // 4), "uint32")
+                    ql = T.alloc_local((P,), "float8_e4m3fn")
+                    w = r0 // 4
+                    for v in T.unroll(VEC):
+                        for p in T.unroll(P):
+                            ql[p] = T.cast(value(xr, s_in, p, v) * si[v], "float8_e4m3fn")
+                        qs[c8 + v, T.bitwise_xor(w // 4, tx % TPR) * 4 + w % 4] = T.bitwise_or(
+                            T.bitwise_or(
+                                T.cast(T.reinterpret(ql[0], "uint8"), "uint32"),
+                                T.shift_left(T.cast(T.reinterpret(ql[1], "uint8"), "uint32"), 8),
+                            ),
+                            T.bitwise_or(
+                                T.shift_left(T.cast(T.reinterpret(ql[2], "uint8"), "uint32"), 16),
+                                T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
+                            ),
+                        )
+                    T.sync_threads()
+                    for q in T.unroll(BK * BM // 16 // THREADS):
+                        chunk = q * THREADS + tx
+                        c = chunk // (BM // 16)
+                        k = chunk % (BM // 16)
+                        if by * (BM // 16) + k < nt16:
+                            for v in T.vectorized(4):
+                                out[bx * BK + c, by * (BM // 16) + k, v] = qs[c, T.bitwise_xor(k, (c // VEC) % TPR) * 4 + v]
+                else:
+                    for p in T.unroll(P):
+                        r = by * BM + r0 + p
+                        if r < num_out:
+                            for v in T.vectorized(VEC):
+                                out[r, bx * BK + c8 + v] = T.cast(value(xr, s_in, p, v) * si[v], "float8_e4m3fn")
+                for p in T.unroll(P):
+                    if quant_in:
+                        s_in[p] = s_n[p]
+                    for v in T.vectorized(VEC):
+                        xr[p, v] = xn[p, v]
 
     if gather and quant_in:
 
@@ -222,8 +303,19 @@ def per_channel_cast_kernel(in_dtype: str, hidden: int, bm: int, round_sf: bool,
 
 def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool):
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    min_blocks = blocks_per_sm(in_dtype, arch_of(x.device))
     return per_channel_cast_kernel.get(
-        x.device, in_dtype=in_dtype, hidden=x.shape[1], bm=bm, round_sf=round_sf, gather=gather, quant_in=quant_in, transpose=transpose
+        x.device,
+        in_dtype=in_dtype,
+        hidden=x.shape[1],
+        bm=bm,
+        round_sf=round_sf,
+        gather=gather,
+        quant_in=quant_in,
+        transpose=transpose,
+        min_blocks=min_blocks,
+        ctas=sms * min_blocks,
     )
 
 

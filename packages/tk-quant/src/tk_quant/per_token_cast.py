@@ -30,7 +30,8 @@ mismatched ``out=`` tensors. CPU tensors run ``tk_quant.reference.cast`` / ``cas
 
 Kernel: registers only, no shared memory except the cross-warp amax of one-scale-per-row casts. Each
 thread owns 16 consecutive elements (16-byte vector loads and stores); the ``bk/16`` threads of a group
-reduce the amax with warp shuffles. Rows of a one-scale-per-row cast are spread over ``32*W`` lanes.
+reduce the amax with warp shuffles. Rows of a one-scale-per-row cast are spread over ``32*W`` lanes; their
+e5m6 words (24 bytes per lane) are staged per warp in shared memory and stored as coalesced 16-byte chunks.
 The token count and all strides are runtime values (no recompile per batch size).
 """
 
@@ -43,7 +44,7 @@ from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
 
 from . import reference
-from ._tl import pow2, ue8m0_byte
+from ._tl import ue8m0_byte
 from .common import (
     FMT_DTYPE,
     FMT_MAX,
@@ -91,18 +92,41 @@ def _encode_e2m1(y):
     a = T.min(T.abs(y), T.float32(6.0))  # fminf(NaN, 6) = 6
     bits = T.reinterpret(a, "int32")
     normal = T.shift_right(bits + 0x1FFFFF + T.bitwise_and(T.shift_right(bits, 22), 1), 22) - 252
-    sub = T.cast(T.round(a * T.float32(2.0)), "int32")
+    # RNE(2a) for a < 1 without the conversion pipe: 2a + 2**23 rounds once, at integer spacing (exact RNE)
+    sub = T.reinterpret(T.call_extern("float32", "__fmaf_rn", a, T.float32(2.0), T.float32(2.0**23)), "int32") - 0x4B000000
     mag = T.if_then_else(a < T.float32(1.0), sub, normal)
     sign = T.bitwise_and(T.shift_right(T.reinterpret(y, "int32"), 28), 8)
     return T.cast(T.bitwise_or(mag, sign), "uint32")
 
 
-def _encode_e5m6(y):
-    """float32 -> 12-bit e5m6 code (uint32), as ``tk_core.formats.encode_e5m6``."""
-    h = T.cast(T.call_extern("uint16", "__half_as_ushort", T.call_extern("float16", "__float2half_rz", y)), "uint32")
-    c = T.shift_right(h, 4)
+# Two fp32 -> fp16 conversions toward zero in one instruction (``a`` to the high half, ``b`` to the low half):
+# half the conversion-pipe work of two ``__float2half_rz``, with the same results.
+_F16X2_RZ = r"""
+__device__ __forceinline__ unsigned tk_f16x2_rz(float a, float b) {
+  unsigned d;
+  asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(a), "f"(b));
+  return d;
+}
+"""
+
+
+def _e5m6_round(c, y):
+    """The e5m6 code of ``y`` from ``c`` = the top 12 bits of ``fp16_rz(y)``, as ``tk_core.formats.encode_e5m6``."""
     r = T.bitwise_and(T.reinterpret(y, "uint32"), T.uint32(0x1FFFF))
     return T.bitwise_and(c + T.if_then_else(T.bitwise_and(c, T.uint32(1)) + r > T.uint32(0x10000), T.uint32(1), T.uint32(0)), T.uint32(0xFFF))
+
+
+def _e5m6_top12(h2, i: int):
+    """The top 12 bits of fp16 ``i`` (0 low, 1 high) of an f16x2 word."""
+    return T.shift_right(h2, 20) if i else T.bitwise_and(T.shift_right(h2, 4), T.uint32(0xFFF))
+
+
+def _pow2(k):
+    """Exactly ``2**k`` (float32) for an int32 ``k``, as ``_tl.pow2`` but branch-free: ``2**a * 2**b`` with
+    ``a + b = k`` and both factors normal; the one rounding of the product gives the subnormals, 0 and inf."""
+    kc = T.min(T.max(k, -252), 254)
+    a = T.shift_right(kc, 1)
+    return T.reinterpret(T.shift_left(a + 127, 23), "float32") * T.reinterpret(T.shift_left(kc - a + 127, 23), "float32")
 
 
 def _load_sf(kind: str, buf, m, k, s0, s1):
@@ -126,6 +150,8 @@ def per_token_cast_kernel(
     in_bm: int = 1,
     in_bk: int = 16,
     threads: int = 256,
+    stage: bool = True,  # e5m6, one scale per row: store through shared memory (see below)
+    min_blocks: int = 0,  # CTAs per SM the staged kernel's registers must allow (0: a 56-register cap)
 ):
     t = T.dynamic("num_tokens")
     xs = T.dynamic("x_stride")
@@ -152,6 +178,10 @@ def per_token_cast_kernel(
         grid_x = lambda n: T.ceildiv(n * nv, threads)  # noqa: E731
     write_data = mode != "sf_only"
     write_sf = mode != "cast_only"
+    # e5m6 rows: a lane's 6 words (24 B) go through shared memory so the warp stores its 768 B as 16-byte
+    # chunks, lane l on chunk l (coalesced); 8-byte stores at a 24-byte lane stride cost 3x the store sectors.
+    # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks.
+    stage = stage and row_mode and fmt == "e5m6" and write_data and hidden % 32 == 0
 
     @T.prim_func
     def main(
@@ -165,8 +195,12 @@ def per_token_cast_kernel(
         s1: T.int32,
         clamp_min: T.float32,
     ):
-        with T.Kernel(grid_x(t), threads=threads) as bx:
+        with T.Kernel(grid_x(t), threads=threads, prelude=_F16X2_RZ if fmt == "e5m6" else None) as bx:
             T.assume(xs % lw == 0)
+            if stage:
+                # at most 56 registers (5 CTAs of 224 threads per SM, 35 warps, no spills): more rows in flight to
+                # overlap one CTA's load -> amax -> encode -> store phases with another's; left alone: 74 (3 CTAs)
+                T.annotate_min_blocks_per_sm(min_blocks or max(1, 65536 // (56 * threads)))
             tx = T.get_thread_binding()
             xr = T.alloc_local((npt, vin), in_dtype)
             xv = T.alloc_local((npt, V), "float32")
@@ -175,18 +209,28 @@ def per_token_cast_kernel(
             sf = T.alloc_var("float32")
             sf_inv = T.alloc_var("float32")
             if row_mode:
-                red = T.alloc_shared((r * w,), "float32")
+                if stage:
+                    # one buffer: each warp's staged words, then the cross-warp amax (float bits). As two buffers
+                    # TileLang may overlap them, and a fast warp's staging would race a slow warp's amax reads.
+                    st = T.alloc_shared((r * w * (npt * 32 * vout + 1),), "int32")
+                else:
+                    red = T.alloc_shared((r * w,), "float32")
                 lane = tx % (32 * w)
                 row = bx * r + tx // (32 * w)
             else:
                 g = bx * threads + tx
-                row = g // nv
+                # int32 row and vector-in-row: left as expressions they are widened to int64 (64-bit div/mod)
+                rq = T.alloc_local((2,), "int32")
+                rq[0] = T.truncdiv(g, nv)
+                rq[1] = g - rq[0] * nv
+                row = rq[0]
+                gq = rq[1]
             amax = 0.0
             for p in T.unroll(npt):
                 if row_mode:
                     col = (lane + p * 32 * w) * V
                 else:
-                    col = (g % nv) * V
+                    col = gq * V
                 mul[p] = 1.0
                 if row < t and col < hidden:
                     for j in T.unroll(vin // lw):
@@ -211,10 +255,16 @@ def per_token_cast_kernel(
                     amax = T.max(amax, T.shfl_xor(amax, 1 << s))
                 if w > 1:
                     if tx % 32 == 0:
-                        red[tx // 32] = amax
+                        if stage:
+                            st[r * w * npt * 32 * vout + tx // 32] = T.reinterpret(amax, "int32")
+                        else:
+                            red[tx // 32] = amax
                     T.sync_threads()
                     for q in T.unroll(w):
-                        amax = T.max(amax, red[(tx // (32 * w)) * w + q])
+                        if stage:
+                            amax = T.max(amax, T.reinterpret(st[r * w * npt * 32 * vout + (tx // (32 * w)) * w + q], "float32"))
+                        else:
+                            amax = T.max(amax, red[(tx // (32 * w)) * w + q])
             else:
                 for s in T.unroll(gv.bit_length() - 1):
                     amax = T.max(amax, T.shfl_xor(amax, 1 << s))
@@ -222,15 +272,15 @@ def per_token_cast_kernel(
             if mode == "cast_only":
                 sf = 1.0
                 if row < t:
-                    sf = _load_sf(in_sf, XSF, row, (g % nv) * V // bk, xs0, xs1)
+                    sf = _load_sf(in_sf, XSF, row, T.truncdiv(gq * V, bk), xs0, xs1)
                 sf_inv = T.float32(1.0) / sf
             elif sf_out == "e4m3":
                 sf = T.cast(T.cast(T.max(amax, clamp_min) / T.float32(fmax), "float8_e4m3fn"), "float32")
                 sf_inv = T.float32(1.0) / sf
             elif round_sf:
                 kexp = T.shift_right(T.reinterpret(T.max(amax, clamp_min) / T.float32(fmax), "int32") - 1, 23) - 126
-                sf = pow2(kexp)
-                sf_inv = pow2(-kexp)
+                sf = _pow2(kexp)
+                sf_inv = _pow2(-kexp)
             else:
                 sf = T.max(amax, clamp_min) / T.float32(fmax)
                 sf_inv = T.float32(fmax) / T.max(amax, clamp_min)
@@ -242,8 +292,8 @@ def per_token_cast_kernel(
                         else:
                             SF[row * s0] = T.cast(sf, _SF_DTYPE[sf_out])
                 else:
-                    kk = (g % nv) // gv
-                    if row < t and (g % gv) == 0 and kk < nk:
+                    kk = T.truncdiv(gq, gv)
+                    if row < t and T.truncmod(gq, gv) == 0 and kk < nk:
                         if sf_out == "packed":
                             SF[4 * (row * s0 + (kk // 4) * s1) + kk % 4] = ue8m0_byte(sf)
                         else:
@@ -254,7 +304,7 @@ def per_token_cast_kernel(
                     if row_mode:
                         col = (lane + p * 32 * w) * V
                     else:
-                        col = (g % nv) * V
+                        col = gq * V
                     m = mul[p] * sf_inv
                     if fmt == "e4m3":
                         for i in T.unroll(V):
@@ -273,8 +323,11 @@ def per_token_cast_kernel(
                             )
                     else:
                         c = T.alloc_local((V,), "uint32")
-                        for i in T.unroll(V):
-                            c[i] = _encode_e5m6(xv[p, i] * m)
+                        h2 = T.alloc_local((V // 2,), "uint32")
+                        for i in T.unroll(V // 2):
+                            h2[i] = T.call_extern("uint32", "tk_f16x2_rz", xv[p, 2 * i + 1] * m, xv[p, 2 * i] * m)
+                        for i in list(range(V)):  # a Python loop: ``i % 2`` picks the half while tracing
+                            c[i] = _e5m6_round(_e5m6_top12(h2[i // 2], i % 2), xv[p, i] * m)
                         for j in T.unroll(2):
                             b = j * 8
                             yv[p, j * 3] = T.reinterpret(
@@ -295,10 +348,22 @@ def per_token_cast_kernel(
                                 ),
                                 "int32",
                             )
-                    if row < t and col < hidden:
+                    if stage:
+                        for j in T.unroll(vout // ow):
+                            for i in T.vectorized(ow):
+                                st[(tx // 32 * npt + p) * 32 * vout + tx % 32 * vout + j * ow + i] = yv[p, j * ow + i]
+                    elif row < t and col < hidden:
                         for j in T.unroll(vout // ow):
                             for i in T.vectorized(ow):
                                 Y[row * row_len + col * vout // V + j * ow + i] = yv[p, j * ow + i]
+                if stage:  # (TileLang inserts the barrier between the staging writes and these reads)
+                    for p in T.unroll(npt):
+                        wbase = (lane - tx % 32 + p * 32 * w) * vout  # the warp's first word in the row
+                        for k in T.unroll(2):  # 48 chunks of 4 words: lanes 0-31, then 0-15
+                            cidx = k * 32 + tx % 32
+                            if row < t and cidx < 32 * vout // 4 and wbase + cidx * 4 < row_len:
+                                for i in T.vectorized(4):
+                                    Y[row * row_len + wbase + cidx * 4 + i] = st[(tx // 32 * npt + p) * 32 * vout + cidx * 4 + i]
 
     return main
 

@@ -10,7 +10,8 @@ Outputs: uint8 ``(T, 3H/2)`` and an SF ``(T, H/bk)`` (row-major fp32, column-maj
 ``(T, 1)`` with only byte 0 meaningful; packed needs col-major and ``round_sf``).
 
 The kernel is ``tk_quant.per_token_cast.per_token_cast_kernel`` with ``fmt='e5m6'`` (one row over 32*W lanes,
-a cross-warp amax in shared memory, 16 elements -> 6 words per thread, 8-byte stores).
+a cross-warp amax in shared memory, 16 elements -> 6 words per thread with packed ``cvt.rz.f16x2.f32``
+conversions; with ``H % 32 == 0`` each warp stages its words in shared memory and stores 16-byte chunks).
 CPU tensors run ``tk_quant.reference.cast_to_e5m6``.
 """
 

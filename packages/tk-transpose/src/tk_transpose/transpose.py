@@ -44,11 +44,11 @@ _KERNEL_DTYPE = {8: "uint8", 16: "uint16", 32: "int32"}
 
 
 # Tuned on the H200 (the anchor shapes 8064 x 7168 and 8 x 8064 x 7168): lanes down the rows of a warp,
-# the warps of a CTA along rows and columns, and the CTAs per SM the registers must allow.
+# the warps of a CTA along rows and columns, the CTAs per SM the registers must allow, the load width.
 _TUNING = {
-    8: dict(lanes_m=4, warps_m=2, warps_n=2, min_blocks=4),
-    16: dict(lanes_m=4, warps_m=2, warps_n=4, min_blocks=4),
-    32: dict(lanes_m=8, warps_m=2, warps_n=4, min_blocks=4),
+    8: dict(lanes_m=4, warps_m=2, warps_n=2, min_blocks=4, load_bytes=16),
+    16: dict(lanes_m=4, warps_m=2, warps_n=2, min_blocks=6, load_bytes=16),
+    32: dict(lanes_m=4, warps_m=2, warps_n=4, min_blocks=4, load_bytes=16),
 }
 
 # A 16-byte global store of four 32-bit words held in registers. (Storing a local array through a
@@ -92,6 +92,7 @@ def transpose_kernel(
     warps_m: int | None = None,
     warps_n: int | None = None,
     min_blocks: int | None = None,
+    load_bytes: int | None = None,
 ):
     """``out[b, j, i] = x[b, i, j]`` on raw ``elem_bits``-wide words.
 
@@ -99,10 +100,10 @@ def transpose_kernel(
     (the output row stride ``M`` is unaligned: scalar stores) or ``"scalar"`` (the input strides are
     unaligned: a plain element-wise copy). The tuning parameters default to ``_TUNING``.
 
-    A thread owns a ``v x v`` unit (``v = 128 / elem_bits``): it loads its ``v`` rows as 16-byte vectors,
-    all in flight at once, turns each 4-byte word of ``p = 32 / elem_bits`` elements into ``p`` column
-    words with ``__byte_perm`` (8 permutes per 4 x 4 bytes, 2 per 2 x 2 halves, none for 32-bit), and
-    writes its ``v`` output row segments with 16-byte stores. ``lanes_m`` lanes of a warp go down the
+    A thread owns a unit of ``v`` rows (``v = 128 / elem_bits``, 16 bytes of an output row) by ``load_bytes``
+    (16 or 8) bytes of columns: it loads its ``v`` row pieces as vectors, all in flight at once, turns each
+    4-byte word of ``p = 32 / elem_bits`` elements into ``p`` column words with ``__byte_perm`` (8 permutes
+    per 4 x 4 bytes, 2 per 2 x 2 halves, none for 32-bit), and writes one 16-byte store per column. ``lanes_m`` lanes of a warp go down the
     unit rows (so a warp's store covers ``lanes_m x 16`` contiguous bytes of ``32 / lanes_m`` output rows)
     and the others along the columns; ``warps_m x warps_n`` warps make the CTA tile. Units on the right
     edge (``N``) or, in ``"vector_load"`` mode, the bottom edge (``M``) copy element by element.
@@ -113,13 +114,16 @@ def transpose_kernel(
     warps_n = warps_n or tuning["warps_n"]
     # The scalar paths need more registers: they get a looser bound.
     min_blocks = min_blocks or (tuning["min_blocks"] if mode == "vector" else 2)
+    load_bytes = load_bytes or tuning["load_bytes"]
     dtype = _KERNEL_DTYPE[elem_bits]
     v = 128 // elem_bits  # elements per 16-byte chunk
     p = 32 // elem_bits  # elements per 4-byte word
+    words = load_bytes // 4  # 4-byte words per loaded row piece
+    uc = words * p  # columns of a unit
     lanes_n = 32 // lanes_m
     threads = 32 * warps_m * warps_n
     block_m = warps_m * lanes_m * v  # input rows of a tile
-    block_n = warps_n * lanes_n * v  # input columns of a tile
+    block_n = warps_n * lanes_n * uc  # input columns of a tile
     assert lanes_m * lanes_n == 32
     B, M, N = T.dynamic("B M N")
     sb, sm = T.dynamic("sb sm", "int64")
@@ -146,27 +150,27 @@ def transpose_kernel(
             m0 = T.truncmod(tile_id, tiles_m) * block_m
             n0 = T.truncmod(T.truncdiv(tile_id, tiles_m), tiles_n) * block_n
             r0 = m0 + ((warp // warps_n) * lanes_m + lane % lanes_m) * v  # the unit's first row
-            c0 = n0 + ((warp % warps_n) * lanes_n + lane // lanes_m) * v  # and first column
-            block = T.alloc_local((v, v), dtype)
-            rows = T.view(block, (v, 4), "uint32")  # each row's 16 bytes as 4 words
+            c0 = n0 + ((warp % warps_n) * lanes_n + lane // lanes_m) * uc  # and first column
+            block = T.alloc_local((v, uc), dtype)
+            rows = T.view(block, (v, words), "uint32")  # each row piece as words
             cols = T.alloc_local((p, 4), "uint32")  # the 4 words of p output row segments
-            if mode != "scalar" and r0 + v <= M and c0 + v <= N:
+            if mode != "scalar" and r0 + v <= M and c0 + uc <= N:
                 for i in T.unroll(v):
-                    for j in T.vectorized(v):
+                    for j in T.vectorized(uc):
                         block[i, j] = x[b, r0 + i, c0 + j]
                 if mode == "vector":
-                    for k in T.unroll(4):
+                    for k in T.unroll(words):
                         for g in T.unroll(4):
                             _transpose_words(rows, k, g, p, cols)
                         for t in T.unroll(p):
                             T.evaluate(T.call_extern("handle", "tk_st128", T.address_of(out[b, c0 + k * p + t, r0]),
                                                      cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3]))
                 else:
-                    for j in T.unroll(v):
+                    for j in T.unroll(uc):
                         for i in T.unroll(v):
                             out[b, c0 + j, r0 + i] = block[i, j]
             elif r0 < M and c0 < N:
-                for j in T.serial(T.min(N - c0, v)):
+                for j in T.serial(T.min(N - c0, uc)):
                     for i in T.unroll(v):
                         if r0 + i < M:
                             out[b, c0 + j, r0 + i] = x[b, r0 + i, c0 + j]
