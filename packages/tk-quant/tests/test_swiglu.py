@@ -27,8 +27,11 @@ def expand_to_fused(x: torch.Tensor, pos_to_token_topk: torch.Tensor, num_topk: 
 
 
 def moe_case(num_tokens: int, num_topk: int, num_experts: int, alignment: int, device):
-    idx = torch.stack([torch.randperm(num_experts, device=device)[:num_topk] for _ in range(num_tokens)]) if num_tokens else (
-        torch.empty((0, num_topk), dtype=torch.int64, device=device))
+    idx = (
+        torch.stack([torch.randperm(num_experts, device=device)[:num_topk] for _ in range(num_tokens)])
+        if num_tokens
+        else (torch.empty((0, num_topk), dtype=torch.int64, device=device))
+    )
     idx = torch.where(torch.rand(idx.shape, device=device) < 0.2, -1, idx)  # some (t, k) routed elsewhere
     return idx, generate_fused_mapping(idx, num_experts, alignment)
 
@@ -144,15 +147,25 @@ def test_swiglu_backward_clamped_gradients_are_zero():
 
 @pytest.mark.parametrize(
     "layout, bk",
-    [(lay, bk) for lay in [(False, False, False), (False, True, False), (True, True, False), (True, True, True)]
-     for bk in (32, 128, 256) if not (bk == 256 and lay[0])],  # one scale per row (256 = H) is row-major only
+    [
+        (lay, bk)
+        for lay in [(False, False, False), (False, True, False), (True, True, False), (True, True, True)]
+        for bk in (32, 128, 256)
+        if not (bk == 256 and lay[0])
+    ],  # one scale per row (256 = H) is row-major only
 )
 def test_forward_per_token_reference_matches_composition(layout, bk):
     col, round_sf, packed = layout
     x = torch.randn(19, 512).bfloat16()
     out, sf = R.swiglu_forward_and_per_token_cast(x, "e4m3", bk, None, None, None, col, round_sf, packed)
-    want_out, want_sf = R.cast(R.swiglu_forward(x), "e4m3", (1, bk), round_sf=round_sf,
-                               use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    want_out, want_sf = R.cast(
+        R.swiglu_forward(x),
+        "e4m3",
+        (1, bk),
+        round_sf=round_sf,
+        use_tma_aligned_col_major_sf=col,
+        use_packed_ue8m0=packed,
+    )
     assert_equal(out, want_out)
     assert_equal(sf, want_sf, check_stride=True)
 
@@ -161,13 +174,18 @@ def test_forward_per_token_reference_masks_counts_and_floor():
     x = torch.randn(8, 512).bfloat16() * 4
     pe = torch.tensor([0, -1, 1, 2, -1, 0, 0, 3], dtype=torch.int32)
     cnt = torch.zeros(4, dtype=torch.int64)
-    out, sf = R.swiglu_forward_and_per_token_cast(x, "e4m3", 128, pos_to_expert=pe, swiglu_clamp_value=0.5,
-                                                  clamped_count=cnt)
+    out, sf = R.swiglu_forward_and_per_token_cast(
+        x, "e4m3", 128, pos_to_expert=pe, swiglu_clamp_value=0.5, clamped_count=cnt
+    )
     keep = pe >= 0
     assert (out[~keep].view(torch.uint8) == 0).all() and (sf[~keep] == 0).all()
     xf = x.float()[keep]
-    assert cnt.tolist() == [int((xf[:, :256] > 0.5).sum()), int((xf[:, 256:] > 0.5).sum()),
-                            int((xf[:, 256:] < -0.5).sum()), 6 * 256]
+    assert cnt.tolist() == [
+        int((xf[:, :256] > 0.5).sum()),
+        int((xf[:, 256:] > 0.5).sum()),
+        int((xf[:, 256:] < -0.5).sum()),
+        6 * 256,
+    ]
     _, sf_floor = R.swiglu_forward_and_per_token_cast(torch.zeros(2, 512), "e4m3", 128, sf_clamp_min=0.5)
     assert (sf_floor == torch.tensor(0.5) / 448).all()
 
@@ -198,14 +216,23 @@ def test_forward_per_channel_reference(transpose):
 
 def test_public_functions_on_cpu_run_the_reference():
     x = torch.randn(16, 256).bfloat16()
-    assert_equal(tk_quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)[0],
-                 R.swiglu_forward_and_per_token_cast(x, "e4m3", 128)[0])
+    assert_equal(
+        tk_quant.swiglu_forward_and_per_token_cast(x, "e4m3", 128)[0],
+        R.swiglu_forward_and_per_token_cast(x, "e4m3", 128)[0],
+    )
     q = R.cast(torch.randn(16, 256), "e4m3", (1, 32))
-    args = (torch.randn(16, 128).bfloat16(), torch.rand(8, 2), torch.arange(16, dtype=torch.int32),
-            torch.arange(16, dtype=torch.int32).view(8, 2), 32)
+    args = (
+        torch.randn(16, 128).bfloat16(),
+        torch.rand(8, 2),
+        torch.arange(16, dtype=torch.int32),
+        torch.arange(16, dtype=torch.int32).view(8, 2),
+        32,
+    )
     got = tk_quant.swiglu_backward_and_per_token_cast(q, *args)
     want = R.swiglu_backward_and_per_token_cast(q, *args)
-    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
+    for a, b in zip(
+        (got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True
+    ):
         assert_equal(a, b)
     back = R.cast_back(got[1], "fp32", (1, 32))
     assert calc_diff(back, got[2].float()) < 2e-3
@@ -214,8 +241,13 @@ def test_public_functions_on_cpu_run_the_reference():
 def test_backward_empty_gives_zero_weight_grad():
     q = (torch.empty((0, 256), dtype=torch.float8_e4m3fn), torch.empty((0, 8)))
     out, (gq, gs), xg, wg = tk_quant.swiglu_backward_and_per_token_cast(
-        q, torch.empty((0, 128), dtype=torch.bfloat16), torch.rand(5, 2), torch.empty(0, dtype=torch.int32),
-        torch.full((5, 2), -1, dtype=torch.int32), 32)
+        q,
+        torch.empty((0, 128), dtype=torch.bfloat16),
+        torch.rand(5, 2),
+        torch.empty(0, dtype=torch.int32),
+        torch.full((5, 2), -1, dtype=torch.int32),
+        32,
+    )
     assert out.shape == (0, 128) and gq.shape == (0, 256) and gs.shape == (0, 8) and xg.shape == (0, 256)
     assert (wg == 0).all() and wg.shape == (5, 2)
 
@@ -238,24 +270,43 @@ CHAN = tk_quant.swiglu_forward_and_per_channel_cast_and_transpose
         (dict(num_per_channels=128.0), TypeError, "num_per_channels must be an int"),
         (dict(use_packed_ue8m0=True, use_tma_aligned_col_major_sf=True), ValueError, "round_sf=True"),
         (dict(use_packed_ue8m0=True, round_sf=True), ValueError, "use_tma_aligned_col_major_sf"),
-        (dict(x=torch.randn(4, 512).bfloat16(), num_per_channels=256, use_tma_aligned_col_major_sf=True), ValueError, "False with one scale per row"),
+        (
+            dict(x=torch.randn(4, 512).bfloat16(), num_per_channels=256, use_tma_aligned_col_major_sf=True),
+            ValueError,
+            "False with one scale per row",
+        ),
         (dict(pos_to_token_topk=torch.zeros(4, dtype=torch.int32)), ValueError, "topk_weights must be given"),
-        (dict(pos_to_token_topk=torch.zeros(3, dtype=torch.int32), topk_weights=torch.rand(2, 2)), ValueError,
-         "pos_to_token_topk must be of shape"),
-        (dict(pos_to_token_topk=torch.zeros(4, dtype=torch.int64), topk_weights=torch.rand(2, 2)), TypeError,
-         "pos_to_token_topk must be of dtype int32"),
-        (dict(pos_to_token_topk=torch.zeros(4, dtype=torch.int32), topk_weights=torch.rand(2, 2).double()), TypeError,
-         "topk_weights must be of dtype float32"),
+        (
+            dict(pos_to_token_topk=torch.zeros(3, dtype=torch.int32), topk_weights=torch.rand(2, 2)),
+            ValueError,
+            "pos_to_token_topk must be of shape",
+        ),
+        (
+            dict(pos_to_token_topk=torch.zeros(4, dtype=torch.int64), topk_weights=torch.rand(2, 2)),
+            TypeError,
+            "pos_to_token_topk must be of dtype int32",
+        ),
+        (
+            dict(pos_to_token_topk=torch.zeros(4, dtype=torch.int32), topk_weights=torch.rand(2, 2).double()),
+            TypeError,
+            "topk_weights must be of dtype float32",
+        ),
         (dict(topk_weights=torch.rand(5)), ValueError, "topk_weights .* must be of shape"),
         (dict(pos_to_expert=torch.zeros(5, dtype=torch.int32)), ValueError, "pos_to_expert must be of shape"),
         (dict(swiglu_clamp_value=-1.0), ValueError, "swiglu_clamp_value must be a finite float > 0"),
         (dict(swiglu_clamp_value=math.inf), ValueError, "swiglu_clamp_value must be a finite float > 0"),
         (dict(swiglu_clamp_value="1"), TypeError, "swiglu_clamp_value must be a float"),
         (dict(clamped_count=torch.zeros(3, dtype=torch.int64)), ValueError, "clamped_count must be None"),
-        (dict(swiglu_clamp_value=1.0, clamped_count=torch.zeros(3, dtype=torch.int32)), TypeError,
-         "clamped_count must be of dtype int64"),
-        (dict(swiglu_clamp_value=1.0, clamped_count=torch.zeros(5, dtype=torch.int64)), ValueError,
-         r"clamped_count.shape\[0\] must be one of"),
+        (
+            dict(swiglu_clamp_value=1.0, clamped_count=torch.zeros(3, dtype=torch.int32)),
+            TypeError,
+            "clamped_count must be of dtype int64",
+        ),
+        (
+            dict(swiglu_clamp_value=1.0, clamped_count=torch.zeros(5, dtype=torch.int64)),
+            ValueError,
+            r"clamped_count.shape\[0\] must be one of",
+        ),
         (dict(sf_clamp_min=1e-40), ValueError, "sf_clamp_min must be"),
     ],
 )
@@ -270,9 +321,14 @@ def test_forward_per_token_validation(kwargs, exc, match):
 def _bwd_args(**kw):
     e, h = 4, 128
     q = R.cast(torch.randn(e, 2 * h), "e4m3", (1, 32))
-    args = dict(x=q, grad_out=torch.randn(e, h).bfloat16(), weight=torch.rand(2, 2),
-                pos_to_token_topk=torch.arange(4, dtype=torch.int32),
-                token_topk_to_pos=torch.arange(4, dtype=torch.int32).view(2, 2), num_per_channels=32)
+    args = dict(
+        x=q,
+        grad_out=torch.randn(e, h).bfloat16(),
+        weight=torch.rand(2, 2),
+        pos_to_token_topk=torch.arange(4, dtype=torch.int32),
+        token_topk_to_pos=torch.arange(4, dtype=torch.int32).view(2, 2),
+        num_per_channels=32,
+    )
     args.update(kw)
     return args
 
@@ -282,14 +338,26 @@ def _bwd_args(**kw):
     [
         (dict(x=torch.zeros(4, 256)), TypeError, "x must be a QuantTensor"),
         (dict(x=(torch.zeros(4, 256), torch.ones(4, 8))), TypeError, r"x\[0\] \(x_fp8\) must be of dtype"),
-        (dict(x=(torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.ones(4, 4))), ValueError, r"x\[1\] \(x_sf\) must be of shape"),
-        (dict(x=(torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.ones(4, 8).double())), TypeError, r"x\[1\] \(x_sf\) must be of dtype"),
+        (
+            dict(x=(torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.ones(4, 4))),
+            ValueError,
+            r"x\[1\] \(x_sf\) must be of shape",
+        ),
+        (
+            dict(x=(torch.zeros(4, 256).to(torch.float8_e4m3fn), torch.ones(4, 8).double())),
+            TypeError,
+            r"x\[1\] \(x_sf\) must be of dtype",
+        ),
         (dict(num_per_channels=16), ValueError, "num_per_channels must be one of"),
         (dict(grad_out=torch.randn(4, 128)), TypeError, "grad_out must be of dtype bfloat16"),
         (dict(grad_out=torch.randn(4, 64).bfloat16()), ValueError, "grad_out must be of 4 x 128"),
         (dict(weight=torch.rand(2, 2).bfloat16()), TypeError, "weight must be of dtype float32"),
         (dict(pos_to_token_topk=torch.arange(3, dtype=torch.int32)), ValueError, "pos_to_token_topk must be of shape"),
-        (dict(token_topk_to_pos=torch.arange(6, dtype=torch.int32).view(3, 2)), ValueError, "token_topk_to_pos must be of shape"),
+        (
+            dict(token_topk_to_pos=torch.arange(6, dtype=torch.int32).view(3, 2)),
+            ValueError,
+            "token_topk_to_pos must be of shape",
+        ),
         (dict(swiglu_clamp_value=0.0), ValueError, "swiglu_clamp_value must be a finite float > 0"),
         (dict(use_packed_ue8m0=True, use_tma_aligned_col_major_sf=True), ValueError, "round_sf=True"),
     ],
@@ -321,23 +389,33 @@ def test_per_channel_validation(kwargs, exc, match):
 
 # --- compile tier ------------------------------------------------------------------------------------
 
-FWD_VARIANTS = [
-    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none"),
-    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count"),
-    dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp"),
-    dict(in_dtype="float32", hidden=1024, group=32, layout="col", round_sf=True, clamp_mode="none"),
+FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none", chunks=7),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=7),
+    dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=5),
+    dict(in_dtype="float32", hidden=7168, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=4),
     dict(in_dtype="bfloat16", hidden=1152, group=64, layout="packed", round_sf=True, clamp_mode="none"),
     dict(in_dtype="bfloat16", hidden=2048, group=2048, layout="row", round_sf=True, clamp_mode="count"),
+    dict(
+        in_dtype="bfloat16",
+        hidden=1280,
+        group=32,
+        layout="col",
+        round_sf=False,
+        clamp_mode="count",
+        chunks=5,
+        pair_scales=True,
+    ),
 ]
-BWD_VARIANTS = [
-    dict(hidden=7168, group=32, layout="row", round_sf=True, clamp_on=False),
-    dict(hidden=7168, group=128, layout="row", round_sf=True, clamp_on=True),
+BWD_VARIANTS = [  # the anchor shapes get the launcher's tuning per arch (strict: no spills at its CTA cap)
+    dict(hidden=7168, group=32, layout="row", round_sf=True, clamp_on=False, tuned=True),
+    dict(hidden=7168, group=128, layout="row", round_sf=True, clamp_on=True, tuned=True),
     dict(hidden=1280, group=64, layout="col", round_sf=False, clamp_on=True),
     dict(hidden=1152, group=128, layout="packed", round_sf=True, clamp_on=False),
 ]
 CHAN_VARIANTS = [
-    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=False),
-    dict(hidden=7168, bm=32, round_sf=False, transpose=False, clamp_on=True),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=False, **S.CHANNEL_TUNING[32]),
+    dict(hidden=7168, bm=32, round_sf=False, transpose=True, clamp_on=True, **S.CHANNEL_TUNING[32]),
     dict(hidden=7168, bm=128, round_sf=True, transpose=True, clamp_on=False),
     dict(hidden=576, bm=32, round_sf=False, transpose=True, clamp_on=True),
 ]
@@ -353,6 +431,8 @@ def _common_codegen_checks(src: str):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("params", FWD_VARIANTS, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_compile_forward_per_token(arch, params):
+    if "chunks" in params and not params.get("pair_scales"):
+        assert params["chunks"] == S.fwd_token_chunks(params["hidden"], params["in_dtype"])
     src = assert_compiles(S.swiglu_fwd_token_kernel, arch, **params)
     _common_codegen_checks(src)
     assert "uint4" in src or "float4" in src  # 16-byte loads
@@ -364,6 +444,9 @@ def test_compile_forward_per_token(arch, params):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("params", BWD_VARIANTS, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_compile_backward(arch, params):
+    params = dict(params)
+    if params.pop("tuned", False):
+        params.update(S.bwd_tuning(arch, params["clamp_on"]))
     src = assert_compiles(S.swiglu_bwd_token_kernel, arch, **params)
     _common_codegen_checks(src)
     assert "__fmaf_rn" in src and "__fmul_rn" in src
@@ -448,8 +531,19 @@ def test_gpu_forward_per_token(case):
     flat, sf2 = S.alloc_sf_storage(x.shape[0], -(-h // bk), layout, x.device)
     _poison(flat)
     S.swiglu_forward_and_per_token_cast_(
-        x, kwargs["pos_to_expert"], kwargs.get("pos_to_token_topk"), kwargs.get("topk_weights"), out2, flat, None, bk,
-        layout, rnd, clamp, 1e-4)
+        x,
+        kwargs["pos_to_expert"],
+        kwargs.get("pos_to_token_topk"),
+        kwargs.get("topk_weights"),
+        out2,
+        flat,
+        None,
+        bk,
+        layout,
+        rnd,
+        clamp,
+        1e-4,
+    )
     assert_equal(out2, ref_out)
     assert_equal(sf2, ref_sf)
     # repeat runs are bit-identical
@@ -464,8 +558,17 @@ def test_gpu_forward_per_token_small_and_odd(rows):
     x = torch.randn(rows, 2 * 1280, device=DEV).bfloat16()
     cnt = torch.zeros(3, dtype=torch.int64, device=DEV)
     cnt_ref = cnt.clone()
-    got = FWD(x, "e4m3", 128, use_tma_aligned_col_major_sf=True, round_sf=True, use_packed_ue8m0=True,
-              swiglu_clamp_value=0.5, clamped_count=cnt, sf_clamp_min=1e-2)
+    got = FWD(
+        x,
+        "e4m3",
+        128,
+        use_tma_aligned_col_major_sf=True,
+        round_sf=True,
+        use_packed_ue8m0=True,
+        swiglu_clamp_value=0.5,
+        clamped_count=cnt,
+        sf_clamp_min=1e-2,
+    )
     want = R.swiglu_forward_and_per_token_cast(x, "e4m3", 128, None, None, None, True, True, True, 0.5, cnt_ref, 1e-2)
     assert_equal(got[0], want[0])
     assert_equal(got[1], want[1], check_stride=True)
@@ -479,8 +582,7 @@ def test_gpu_forward_per_token_opcheck_compile_graph():
     out = torch.empty((e, 1024), dtype=torch.float8_e4m3fn, device=DEV)
     flat, _ = S.alloc_sf_storage(e, 8, "packed", x.device)
     cnt = torch.zeros(4, dtype=torch.int64, device=DEV)
-    opcheck(S.swiglu_forward_and_per_token_cast_.op,
-                          (x, pe, ptt, w, out, flat, cnt, 128, "packed", True, 0.5, 1e-4))
+    opcheck(S.swiglu_forward_and_per_token_cast_.op, (x, pe, ptt, w, out, flat, cnt, 128, "packed", True, 0.5, 1e-4))
 
     def f(x, pe, ptt, w, cnt):
         return FWD(x, "e4m3", 128, ptt, w, pe, True, True, True, 0.5, cnt)
@@ -551,9 +653,12 @@ def test_gpu_backward(case):
     flat, sf2 = S.alloc_sf_storage(e, 2 * h // bk, layout, q[0].device)
     _poison(flat)
     xg2, wg2 = _poison(torch.empty_like(got[2])), _poison(torch.empty_like(got[3]))
-    S.swiglu_backward_and_per_token_cast_(q[0], q[1], grad, weight, ptt, outs[0], outs[1], flat, xg2, wg2, bk, layout,
-                                          rnd, clamp, 1e-4)
-    for a, b in zip((outs[0], outs[1], sf2, xg2, wg2), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
+    S.swiglu_backward_and_per_token_cast_(
+        q[0], q[1], grad, weight, ptt, outs[0], outs[1], flat, xg2, wg2, bk, layout, rnd, clamp, 1e-4
+    )
+    for a, b in zip(
+        (outs[0], outs[1], sf2, xg2, wg2), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True
+    ):
         assert_equal(a, b)
     again = BWD(*args)
     for a, b in zip((again[0], again[1][0], again[2], again[3]), (got[0], got[1][0], got[2], got[3]), strict=True):
@@ -569,7 +674,9 @@ def test_gpu_backward_small(tokens):
     ttp.view(-1)[ptt[ptt >= 0].long()] = (ptt >= 0).nonzero().squeeze(1).int()
     got = BWD(q, grad, weight, ptt, ttp, 128, True, 0.5)
     want = R.swiglu_backward_and_per_token_cast(q, grad, weight, ptt, ttp, 128, True, 0.5)
-    for a, b in zip((got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True):
+    for a, b in zip(
+        (got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True
+    ):
         assert_equal(a, b)
 
 
@@ -577,10 +684,16 @@ def test_gpu_backward_small(tokens):
 def test_gpu_backward_opcheck_compile_graph():
     q, grad, weight, ptt, ttp = _bwd_inputs(200, 1024, 128)
     e = q[0].shape[0]
-    bufs = (torch.empty(e, 1024, dtype=torch.bfloat16, device=DEV), torch.empty(e, 2048, dtype=torch.float8_e4m3fn, device=DEV),
-            torch.empty(e * 16, device=DEV), torch.empty(e, 2048, dtype=torch.bfloat16, device=DEV), torch.empty_like(weight))
-    opcheck(S.swiglu_backward_and_per_token_cast_.op,
-                          (q[0], q[1], grad, weight, ptt, *bufs, 128, "row", True, 0.5, 1e-4))
+    bufs = (
+        torch.empty(e, 1024, dtype=torch.bfloat16, device=DEV),
+        torch.empty(e, 2048, dtype=torch.float8_e4m3fn, device=DEV),
+        torch.empty(e * 16, device=DEV),
+        torch.empty(e, 2048, dtype=torch.bfloat16, device=DEV),
+        torch.empty_like(weight),
+    )
+    opcheck(
+        S.swiglu_backward_and_per_token_cast_.op, (q[0], q[1], grad, weight, ptt, *bufs, 128, "row", True, 0.5, 1e-4)
+    )
 
     def f(xq, xs, grad, weight, ptt, ttp):
         out, (gq, gs), xg, wg = BWD((xq, xs), grad, weight, ptt, ttp, 128, True, 0.5)
@@ -608,6 +721,7 @@ CHAN_GPU_CASES = [
     (256, 3072, 128, False, True, None),
     (128, 576, 128, True, False, 0.5),
     (0, 1024, 32, True, True, None),
+    (0, 7168, 32, True, True, 0.5),  # no launch: shapes of the empty (H, 0) output and (0, H) scales
 ]
 if full_test():
     CHAN_GPU_CASES += [

@@ -305,22 +305,32 @@ def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_va
     return act if w is None else act * w[:, None]
 
 
-def wgrad_dot(grad: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-    """Per-row ``sum_j fl(grad[p, j] * act[p, j])`` in the kernel's order: lane ``l`` of a warp owns columns
-    ``it*512 + c*256 + l*8 + i`` (c in {0, 1}, i in 0..7) and adds their products one by one in (it, c, i)
-    order starting from +0; then ``v += shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1. float32 ``(E,)``."""
+# Spans of 512 columns per warp in the backward kernel: a row is split over ceil(H / (512 * WGRAD_SPANS)) warps
+# of one CTA, which fixes the summation order of ``wgrad_dot``.
+WGRAD_SPANS = 2
+
+
+def wgrad_dot(grad: torch.Tensor, act: torch.Tensor, spans: int = WGRAD_SPANS) -> torch.Tensor:
+    """Per-row ``sum_j fl(grad[p, j] * act[p, j])`` in the kernel's order: warp ``w`` owns the ``spans``
+    512-column spans ``w*spans .. w*spans + spans - 1``; its lane ``l`` owns columns ``it*512 + c*256 + l*8 + i``
+    (c in {0, 1}, i in 0..7) and adds their products one by one in (it, c, i) order starting from +0; then
+    ``v += shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1; the row's sum is ``((s_0 + s_1) + s_2) + ...`` over the
+    warps' sums. float32 ``(E,)``."""
     e, h = grad.shape
     prod = grad.float() * act.float()
-    iters = -(-h // 512)
-    prod = torch.nn.functional.pad(prod, (0, iters * 512 - h))
-    p = prod.view(e, iters, 2, 32, 8).permute(0, 3, 1, 2, 4).reshape(e, 32, iters * 16)
-    acc = torch.zeros((e, 32), dtype=torch.float32, device=grad.device)
-    for j in range(iters * 16):
-        acc = acc + p[:, :, j]
+    warps = -(-h // (512 * spans))
+    prod = torch.nn.functional.pad(prod, (0, warps * spans * 512 - h))
+    p = prod.view(e, warps, spans, 2, 32, 8).permute(0, 1, 4, 2, 3, 5).reshape(e, warps, 32, spans * 16)
+    acc = torch.zeros((e, warps, 32), dtype=torch.float32, device=grad.device)
+    for j in range(spans * 16):
+        acc = acc + p[..., j]
     lanes = torch.arange(32, device=grad.device)
     for off in (16, 8, 4, 2, 1):
-        acc = acc + acc[:, lanes ^ off]
-    return acc[:, 0]
+        acc = acc + acc[:, :, lanes ^ off]
+    tot = acc[:, 0, 0]
+    for w in range(1, warps):
+        tot = tot + acc[:, w, 0]
+    return tot
 
 
 def swiglu_backward(x, grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, swiglu_clamp_value=None):

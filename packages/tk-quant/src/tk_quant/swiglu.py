@@ -35,18 +35,22 @@ Scales follow the sf rule of ``tk_core.formats.compute_scales`` (``A' = max(amax
     ``dg = (gws * u) * fma(g, 1 - s, 1)`` (one rounding, ``__fmaf_rn``), ``du = gws * g``, both 0 where the
     clamp was active, ``x_grad = bf16([dg | du])`` and the per-token cast of the float32 ``[dg | du]``.
     ``weight_grad.flat[idx] = sum_j fl(grad[p, j] * act[p, j])`` in a fixed order (each lane of a warp sums
-    its columns sequentially, then a xor butterfly over the 32 lanes; see ``reference.wgrad_dot``), so it
-    is deterministic and bit-exact; every other entry of ``weight_grad`` is 0 (also when ``E == 0``).
+    its columns sequentially, a xor butterfly over the 32 lanes, then the warps of the row in order; see
+    ``reference.wgrad_dot``), so it is deterministic and bit-exact; every other entry of ``weight_grad`` is 0
+    (also when ``E == 0``).
 
 Errors: ``TypeError`` for wrong types/dtypes, ``ValueError`` for shapes, sizes, flags and values, naming
 the op and argument. ``E == 0`` / ``T == 0`` allocate the outputs and launch nothing (``weight_grad`` is
 zeros). CPU tensors run ``tk_quant.reference``.
 
-Kernels: one warp per row (per-token kernels); each lane owns 8 consecutive columns of two 256-column
-spans per iteration (16-byte bf16 loads, 8-byte e4m3 stores); the group amax is a xor-shuffle reduction
-over the ``bk/8`` lanes of a group; no shared memory except the per-CTA clamp-count reduction. The
-per-channel kernel tiles ``bm`` tokens x 64 or 128 columns over 256 threads and reduces the column amax
-with shuffles and one shared-memory exchange; the transposed store goes through a shared-memory tile.
+Kernels: the per-token kernels give each warp 256-column chunks of one row (forward: ``fwd_token_chunks(H)``
+consecutive chunks per warp, all loaded before the math, or the whole row with one scale per row; backward:
+one CTA per row, ``reference.WGRAD_SPANS`` spans of two chunks per warp); each lane owns 8 consecutive
+columns of every chunk (16-byte bf16 loads, 8-byte e4m3 stores); the group amax is a xor-shuffle reduction
+over the ``bk/8`` lanes of a group. The per-channel kernel tiles ``bm`` tokens x 64 or 128 columns over 128
+(bm = 32) or 256 threads; the column amax is reduced with shuffles
+and one shared-memory exchange, after which one thread per column computes its scale once and shares
+``sf_inv`` through shared memory; the transposed store goes through a shared-memory tile.
 The token count is dynamic (no recompile per batch); ``H``, ``bk``/``bm``, the SF layout, ``round_sf`` and
 whether a clamp (and counting) is on are compile-time.
 """
@@ -58,17 +62,18 @@ import torch
 
 from tk_core import checks
 from tk_core.config import get_amax_clamp
-from tk_core.jit import kernel
+from tk_core.jit import arch_of, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
+from .reference import WGRAD_SPANS
 
 E4M3_MAX = 448.0
-# Lane l of a row's warp owns columns it*SPAN + c*256 + l*8 + i (c < U, i < VEC); the backward's weight-grad
-# dot product adds its products in (it, c, i) order, then xor-butterflies over the lanes:
-# ``reference.wgrad_dot`` mirrors exactly this order, so change both together.
+# Lane l of a warp owns columns it*SPAN + c*256 + l*8 + i (c < U, i < VEC) of its spans it; the backward's
+# weight-grad dot product adds its products in (it, c, i) order, xor-butterflies over the lanes, then adds the
+# warps' sums in warp order: ``reference.wgrad_dot`` mirrors exactly this order, so change both together.
 VEC = 8  # columns per lane and chunk
 U = 2  # chunks per lane and iteration
 SPAN = 32 * VEC * U  # columns per warp iteration
@@ -85,14 +90,14 @@ def _group_offsets(lanes: int) -> list[int]:
 
 
 def _swiglu(g, u, clamp_on: bool, c):
-    """``(act, g', u', cg, cu_hi, cu_lo)`` as TIR expressions (clamp flags are None without a clamp)."""
-    if clamp_on:
-        cg, chi, clo = g > c, u > c, u < -c
-        g = T.if_then_else(cg, c, g)
-        u = T.if_then_else(chi, c, T.if_then_else(clo, -c, u))
-    else:
-        cg = chi = clo = None
-    return g, u, cg, chi, clo
+    """``(g', u', cg, cu)`` as TIR expressions: the clamped inputs and whether the clamp was active on each
+    (None without a clamp). ``u'`` is ``|u| > c ? copysign(c, u) : u``, equal bit for bit to
+    ``u > c ? c : (u < -c ? -c : u)`` (c > 0, NaN kept) but one flat select: nvcc compiled the nested form
+    to a branch per element (a BSSY/BSYNC region each, which cost the per-channel kernel ~20%)."""
+    if not clamp_on:
+        return g, u, None, None
+    cg, cu = g > c, T.abs(u) > c
+    return T.if_then_else(cg, c, g), T.if_then_else(cu, T.copysign(c, u), u), cg, cu
 
 
 def _sf_value(layout: str, s):
@@ -103,8 +108,37 @@ def _sf_value(layout: str, s):
 # --- forward + per-token cast ---------------------------------------------------------------------
 
 
+def fwd_token_chunks(hidden: int, in_dtype: str = "bfloat16") -> int:
+    """256-column chunks per warp of the forward per-token kernel: the most (up to 8, 4 for float32 inputs:
+    the same register budget) that tile ``H`` exactly.
+    The kernel is issue-bound at 2 chunks (2,879 GB/s on the H200 anchor, ~30% of each warp's instructions
+    being per-warp setup, index math and scales); 7 chunks (H = 3584 or 7168) spread that over 3.5x the
+    elements at 80 registers (6 CTAs of 4 warps per SM, ~170 KB of loads in flight per SM)."""
+    if hidden % 256:
+        return U
+    n = hidden // 256
+    return max(c for c in range(1, 9 if in_dtype == "bfloat16" else 5) if n % c == 0)
+
+
 @kernel(pass_configs=_PASS_CONFIGS)
-def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str, round_sf: bool, clamp_mode: str, warps: int = 4):
+def swiglu_fwd_token_kernel(
+    in_dtype: str,
+    hidden: int,
+    group: int,
+    layout: str,
+    round_sf: bool,
+    clamp_mode: str,
+    warps: int = 4,
+    chunks: int = U,
+    pair_scales: bool = False,
+):
+    """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
+    all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
+    with one scale per row (``group == H``). Each chunk is finished (amax, scale, store) right after its math,
+    so only the loaded inputs of the later chunks stay live. ``pair_scales``: chunks ``2p`` and ``2p+1`` are
+    finished together and their scale rules (~35 instructions, an IEEE division among them) run once: the lanes
+    with bit ``b = lanes_per_group / 2`` set evaluate chunk ``2p+1``'s, the others chunk ``2p``'s, and one xor
+    shuffle by ``b`` (within the group) hands each lane the other one."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -113,17 +147,29 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
     n_cnt = T.dynamic("n_cnt")
     sf_len = T.dynamic("sf_len")
     row_mode = group > 128
+    UC = U if row_mode else chunks
+    span = 32 * VEC * UC
     nk = H // group
-    iters = ceil_div(H, SPAN)
-    tail = H % SPAN != 0
+    iters = ceil_div(H, span)
+    tail = H % span != 0
     offsets = _group_offsets(32 if row_mode else group // VEC)
     sf_dtype = "uint8" if layout == "packed" else "float32"
     nk_pad = align(nk, 4) - nk if layout == "packed" else 0
     clamp_on = clamp_mode != "none"
     count = clamp_mode == "count"
+    split = not row_mode
+    wpr = iters if split else 1  # warps per row
+    pair = pair_scales and split
+    b = group // VEC // 2  # partner-lane bit within a group
 
     def in_range(col):
         return col < H if tail else True
+
+    def row_of(gw):
+        return T.truncdiv(gw, wpr) if split else gw
+
+    def span_of(gw):
+        return T.truncmod(gw, wpr) if split else 0
 
     @T.prim_func
     def main(
@@ -139,19 +185,22 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
         has_pe: T.int32,
         wmode: T.int32,
     ):
-        with T.Kernel(T.ceildiv(E, warps), threads=warps * 32) as bx:
+        with T.Kernel(T.ceildiv(E * wpr, warps), threads=warps * 32) as bx:
             tx = T.get_thread_binding()
             lane = tx % 32
-            row = bx * warps + tx // 32
-            xg = T.alloc_local((U, VEC), in_dtype)
-            xu = T.alloc_local((U, VEC), in_dtype)
-            v = T.alloc_local((U, VEC), "float32")
-            am = T.alloc_local((U,), "float32")
+            row = row_of(bx * warps + tx // 32)
+            it0 = span_of(bx * warps + tx // 32)  # this warp's first span: it0 + j, j < spans
+            xg = T.alloc_local((UC, VEC), in_dtype)
+            xu = T.alloc_local((UC, VEC), in_dtype)
+            v = T.alloc_local((UC, VEC), "float32")
+            am = T.alloc_local((UC,), "float32")
             rm = T.alloc_local((1,), "float32")
             wv = T.alloc_local((1,), "float32")
             st = T.alloc_local((1,), "int32")
             cnt = T.alloc_local((4,), "int32")
             red = T.alloc_shared((warps, 4), "int32")
+            sp = T.alloc_local((3,), "float32")  # pair: own sf, own sf_inv, the partner's sf_inv
+            sq = T.alloc_local((2,), "float32")  # pair: the two chunks' sf_inv
             for i in T.unroll(4):
                 cnt[i] = 0
             st[0] = 0
@@ -170,12 +219,13 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
                         wv[0] = T.float32(0)
                 elif wmode == 2:
                     wv[0] = weights[row]
-                cnt[3] = T.if_then_else(lane == 0, 1, 0)
+                cnt[3] = T.if_then_else(lane + it0 == 0, 1, 0)  # the row's first warp, lane 0
                 rm[0] = T.float32(0)
                 for ph in T.serial(2 if row_mode else 1):
-                    for it in T.serial(iters):
-                        for c in T.unroll(U):
-                            col = it * SPAN + c * (32 * VEC) + lane * VEC
+                    for j in T.serial(iters // wpr):
+                        it = it0 + j
+                        for c in T.unroll(UC):
+                            col = it * span + c * (32 * VEC) + lane * VEC
                             if in_range(col):
                                 for i in T.vectorized(VEC):
                                     xg[c, i] = x[row, col + i]
@@ -186,6 +236,8 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
                                     xg[c, i] = T.cast(0, in_dtype)
                                 for i in T.vectorized(VEC):
                                     xu[c, i] = T.cast(0, in_dtype)
+                        for c in T.unroll(UC, explicit=True):  # the pairing below needs constant c
+                            col = it * span + c * (32 * VEC) + lane * VEC
                             am[c] = T.float32(0)
                             for i in T.unroll(VEC):
                                 g0 = T.cast(xg[c, i], "float32")
@@ -195,27 +247,46 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
                                         cnt[0] += T.if_then_else(g0 > clamp, 1, 0)
                                         cnt[1] += T.if_then_else(u0 > clamp, 1, 0)
                                         cnt[2] += T.if_then_else(u0 < -clamp, 1, 0)
-                                g1, u1, _, _, _ = _swiglu(g0, u0, clamp_on, clamp)
+                                g1, u1, _, _ = _swiglu(g0, u0, clamp_on, clamp)
                                 v[c, i] = g1 / (T.float32(1) + T.exp(-g1)) * u1 * wv[0]
                                 am[c] = T.max(am[c], T.abs(v[c, i]))
                             if row_mode:
                                 rm[0] = T.max(rm[0], am[c])
-                        if not row_mode:
-                            for c in T.unroll(U):
+                            else:
                                 for off in offsets:
                                     am[c] = T.max(am[c], T.shfl_xor(am[c], off))
-                                col = it * SPAN + c * (32 * VEC) + lane * VEC
-                                s, si = _tl.scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
-                                if in_range(col):
-                                    for i in T.vectorized(VEC):
-                                        out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
-                                    if col % group == 0:
-                                        sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
-                        else:
+                                if pair and c % 2 == 1:
+                                    hi = T.bitwise_and(lane, b) != 0
+                                    s, si = _tl.scale_rule(
+                                        T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
+                                    )
+                                    sp[0] = s
+                                    sp[1] = si
+                                    sp[2] = T.shfl_xor(sp[1], b)
+                                    sq[0] = T.if_then_else(hi, sp[2], sp[1])  # chunk c-1's sf_inv
+                                    sq[1] = T.if_then_else(hi, sp[1], sp[2])  # chunk c's
+                                    for k in T.unroll(2, explicit=True):
+                                        col_c = it * span + (c - 1 + k) * (32 * VEC) + lane * VEC
+                                        if in_range(col_c):
+                                            for i in T.vectorized(VEC):
+                                                out[row, col_c + i] = T.cast(v[c - 1 + k, i] * sq[k], "float8_e4m3fn")
+                                    # the group's first lane stores chunk c-1's scale, its lane b chunk c's
+                                    col_s = it * span + (c - 1) * (32 * VEC) + (lane - T.bitwise_and(lane, b)) * VEC
+                                    col_s = T.if_then_else(hi, col_s + 32 * VEC, col_s)
+                                    if T.truncmod(lane, b) == 0 and in_range(col_s):
+                                        sf[_tl.sf_offset(layout, row, col_s // group, E, nk)] = _sf_value(layout, sp[0])
+                                elif not pair or c == UC - 1:
+                                    s, si = _tl.scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                    if in_range(col):
+                                        for i in T.vectorized(VEC):
+                                            out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
+                                        if col % group == 0:
+                                            sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
+                        if row_mode:
                             if ph == 1:
                                 s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
-                                for c in T.unroll(U):
-                                    col = it * SPAN + c * (32 * VEC) + lane * VEC
+                                for c in T.unroll(UC):
+                                    col = it * span + c * (32 * VEC) + lane * VEC
                                     if in_range(col):
                                         for i in T.vectorized(VEC):
                                             out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
@@ -227,9 +298,10 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
                                 s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
             if st[0] == 2:
-                for it in T.serial(iters):
-                    for c in T.unroll(U):
-                        col = it * SPAN + c * (32 * VEC) + lane * VEC
+                for j in T.serial(iters // wpr):
+                    it = it0 + j
+                    for c in T.unroll(UC):
+                        col = it * span + c * (32 * VEC) + lane * VEC
                         if in_range(col):
                             for i in T.vectorized(VEC):
                                 out[row, col + i] = T.cast(T.float32(0), "float8_e4m3fn")
@@ -237,7 +309,7 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
                                 sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, T.float32(0))
             if nk_pad > 0:
                 if st[0] != 0:
-                    if lane == 0:
+                    if lane + it0 == 0:
                         for z in T.unroll(nk_pad):
                             sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
             if count:
@@ -265,20 +337,42 @@ def swiglu_fwd_token_kernel(in_dtype: str, hidden: int, group: int, layout: str,
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
-def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool, clamp_on: bool, warps: int = 4):
+def swiglu_bwd_token_kernel(
+    hidden: int,
+    group: int,
+    layout: str,
+    round_sf: bool,
+    clamp_on: bool,
+    spans: int = WGRAD_SPANS,
+    min_blocks: int = 1,
+    preload: bool = True,
+):
+    """One CTA per row, one warp per ``spans`` consecutive 512-column spans (short-lived CTAs: no per-row wave
+    tail); the warps' weight-grad sums are added in warp order through shared memory (``reference.wgrad_dot``
+    with the same ``spans``)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_w = T.dynamic("n_w")
     sf_len = T.dynamic("sf_len")
     nk = 2 * H // group
     iters = ceil_div(H, SPAN)
-    tail = H % SPAN != 0
+    warps = ceil_div(iters, spans)
+    ragged = H != warps * spans * SPAN
+    # preload: a software pipeline over the warp's spans (double-buffered registers, unrolled) that issues span
+    # j+1's loads before span j's math; nvcc does not hoist them over the stores by itself. Same math and order.
+    lag = 1 if preload and spans > 1 else 0
+    NB = 2 * U if lag else U
+    span_loop = T.unroll if lag else T.serial
+
+    def slot(j, c):
+        return (j % 2) * U + c if lag else c
+
     offsets = _group_offsets(group // VEC)
     sf_dtype = "uint8" if layout == "packed" else "float32"
     nk_pad = align(nk, 4) - nk if layout == "packed" else 0
 
     def in_range(col):
-        return col < H if tail else True
+        return col < H if ragged else True
 
     @T.prim_func
     def main(
@@ -295,64 +389,70 @@ def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool
         clamp: T.float32,
         clamp_min: T.float32,
     ):
-        with T.Kernel(T.ceildiv(E, warps), threads=warps * 32) as bx:
+        with T.Kernel(E, threads=warps * 32) as row:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
-            row = bx * warps + tx // 32
-            qg = T.alloc_local((U, VEC), "float8_e4m3fn")
-            qu = T.alloc_local((U, VEC), "float8_e4m3fn")
-            gr = T.alloc_local((U, VEC), "bfloat16")
+            wid = tx // 32
+            qg = T.alloc_local((NB, VEC), "float8_e4m3fn")
+            qu = T.alloc_local((NB, VEC), "float8_e4m3fn")
+            gr = T.alloc_local((NB, VEC), "bfloat16")
             ov = T.alloc_local((U, VEC), "float32")
             dg = T.alloc_local((U, VEC), "float32")
             du = T.alloc_local((U, VEC), "float32")
-            sfg = T.alloc_local((U,), "float32")
-            sfu = T.alloc_local((U,), "float32")
+            sfg = T.alloc_local((NB,), "float32")
+            sfu = T.alloc_local((NB,), "float32")
             amg = T.alloc_local((U,), "float32")
             amu = T.alloc_local((U,), "float32")
             acc = T.alloc_local((1,), "float32")
             wv = T.alloc_local((1,), "float32")
             tv = T.alloc_local((6,), "float32")
-            if row < E:
-                idx = pos_to_token_topk[row]
-                if idx >= 0 and idx < n_w:
-                    wv[0] = weights[idx]
-                else:
-                    wv[0] = T.float32(0)
-                acc[0] = T.float32(0)
-                for it in T.serial(iters):
+            red = T.alloc_shared((warps,), "float32")
+            idx = pos_to_token_topk[row]
+            if idx >= 0 and idx < n_w:
+                wv[0] = weights[idx]
+            else:
+                wv[0] = T.float32(0)
+            acc[0] = T.float32(0)
+            for k in span_loop(spans + lag):
+                if not lag or k < spans:
+                    itl = wid * spans + k
                     for c in T.unroll(U):
-                        col = it * SPAN + c * (32 * VEC) + lane * VEC
+                        col = itl * SPAN + c * (32 * VEC) + lane * VEC
                         if in_range(col):
                             for i in T.vectorized(VEC):
-                                qg[c, i] = x[row, col + i]
+                                qg[slot(k, c), i] = x[row, col + i]
                             for i in T.vectorized(VEC):
-                                qu[c, i] = x[row, H + col + i]
+                                qu[slot(k, c), i] = x[row, H + col + i]
                             for i in T.vectorized(VEC):
-                                gr[c, i] = grad[row, col + i]
-                            sfg[c] = x_sf[row, col // group]
-                            sfu[c] = x_sf[row, (H + col) // group]
+                                gr[slot(k, c), i] = grad[row, col + i]
+                            sfg[slot(k, c)] = x_sf[row, col // group]
+                            sfu[slot(k, c)] = x_sf[row, (H + col) // group]
                         else:
                             for i in T.vectorized(VEC):
-                                qg[c, i] = T.cast(T.float32(0), "float8_e4m3fn")
+                                qg[slot(k, c), i] = T.cast(T.float32(0), "float8_e4m3fn")
                             for i in T.vectorized(VEC):
-                                qu[c, i] = T.cast(T.float32(0), "float8_e4m3fn")
+                                qu[slot(k, c), i] = T.cast(T.float32(0), "float8_e4m3fn")
                             for i in T.vectorized(VEC):
-                                gr[c, i] = T.cast(T.float32(0), "bfloat16")
-                            sfg[c] = T.float32(0)
-                            sfu[c] = T.float32(0)
+                                gr[slot(k, c), i] = T.cast(T.float32(0), "bfloat16")
+                            sfg[slot(k, c)] = T.float32(0)
+                            sfu[slot(k, c)] = T.float32(0)
+                if not lag or k >= lag:
+                    it = wid * spans + k - lag
                     for c in T.unroll(U):
                         amg[c] = T.float32(0)
                         amu[c] = T.float32(0)
                         for i in T.unroll(VEC):
-                            g0 = T.cast(qg[c, i], "float32") * sfg[c]
-                            u0 = T.cast(qu[c, i], "float32") * sfu[c]
-                            g1, u1, cg, chi, clo = _swiglu(g0, u0, clamp_on, clamp)
+                            g0 = T.cast(qg[slot(k - lag, c), i], "float32") * sfg[slot(k - lag, c)]
+                            u0 = T.cast(qu[slot(k - lag, c), i], "float32") * sfu[slot(k - lag, c)]
+                            g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
                             tv[0] = g1
                             tv[1] = u1
                             tv[2] = T.float32(1) + T.exp(-tv[0])
                             tv[3] = T.float32(1) / tv[2]
                             tv[4] = tv[0] / tv[2] * tv[1]
-                            gf = T.cast(gr[c, i], "float32")
+                            gf = T.cast(gr[slot(k - lag, c), i], "float32")
                             ov[c, i] = tv[4] * wv[0]
                             acc[0] = acc[0] + T.fmul(gf, tv[4])
                             tv[5] = gf * wv[0] * tv[3]
@@ -360,7 +460,7 @@ def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool
                             duv = tv[5] * tv[0]
                             if clamp_on:
                                 dg[c, i] = T.if_then_else(cg, T.float32(0), dgv)
-                                du[c, i] = T.if_then_else(chi or clo, T.float32(0), duv)
+                                du[c, i] = T.if_then_else(cu, T.float32(0), duv)
                             else:
                                 dg[c, i] = dgv
                                 du[c, i] = duv
@@ -386,14 +486,20 @@ def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool
                             if col % group == 0:
                                 sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, sg)
                                 sf[_tl.sf_offset(layout, row, (H + col) // group, E, nk)] = _sf_value(layout, su)
-                for off in (16, 8, 4, 2, 1):
-                    acc[0] = acc[0] + T.shfl_xor(acc[0], off)
-                if lane == 0:
-                    if idx >= 0 and idx < n_w:
-                        weight_grad[idx] = acc[0]
-                    if nk_pad > 0:
-                        for z in T.unroll(nk_pad):
-                            sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
+            for off in (16, 8, 4, 2, 1):
+                acc[0] = acc[0] + T.shfl_xor(acc[0], off)
+            if lane == 0:
+                red[wid] = acc[0]
+            T.sync_threads()
+            if tx == 0:
+                acc[0] = red[0]
+                for w in T.unroll(1, warps):
+                    acc[0] = acc[0] + red[w]
+                if idx >= 0 and idx < n_w:
+                    weight_grad[idx] = acc[0]
+                if nk_pad > 0:
+                    for z in T.unroll(nk_pad):
+                        sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
 
     return main
 
@@ -401,26 +507,49 @@ def swiglu_bwd_token_kernel(hidden: int, group: int, layout: str, round_sf: bool
 # --- forward + per-channel cast (+ transpose) -----------------------------------------------------
 
 THREADS = 256
+# Guards the register cliff (at 82 registers the bm=32 kernel dropped to 2 CTAs of 256 threads per SM, -35%):
+# bm=32 needs 46 registers (5 CTAs), bm=128 94; a cap of 3 CTAs (80 registers) would make bm=128 spill.
+MIN_BLOCKS = 2
+# Launcher choices measured on the H200 (benchmarks/sweep_swiglu.py). Channel, bm=32: 128 threads and 6 CTAs
+# per SM (58 registers) beat 256 x 2 by ~5%; bm=128 keeps 256 x 2 (94 registers).
+CHANNEL_TUNING = {32: dict(threads=128, min_blocks=6), 128: dict(threads=THREADS, min_blocks=MIN_BLOCKS)}
 
 
-def channel_tile(hidden: int, bm: int) -> tuple[int, int, int]:
+def bwd_tuning(arch: str, clamp_on: bool) -> dict:
+    """Backward kernel parameters. H200 without the clamp: the software pipeline at 4 CTAs per SM (72
+    registers, no spill on sm_90a; sm_100a spills at that cap) was best (3,722 vs 3,613 GB/s); with the clamp
+    the plain loop at 80 registers was (3,497 vs 3,372 for the pipeline, which spills at 4 CTAs)."""
+    if clamp_on:
+        return dict(preload=False, min_blocks=1)
+    return dict(preload=True, min_blocks=4 if arch == "sm_90a" else 1)
+
+
+def channel_tile(hidden: int, bm: int, threads: int = THREADS) -> tuple[int, int, int]:
     """``(COLS, CL, RPT)``: columns per CTA, column lanes (8 columns each) and rows per thread."""
     cols = 128 if hidden % 128 == 0 else 64
     cl = cols // VEC
-    return cols, cl, bm * cl // THREADS
+    return cols, cl, bm * cl // threads
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
-def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: bool, clamp_on: bool):
+def swiglu_fwd_channel_kernel(
+    hidden: int,
+    bm: int,
+    round_sf: bool,
+    transpose: bool,
+    clamp_on: bool,
+    threads: int = THREADS,
+    min_blocks: int = MIN_BLOCKS,
+):
     H = hidden
     NT = T.dynamic("num_tokens")
     nm = T.dynamic("nm")
-    COLS, CL, RPT = channel_tile(H, bm)
-    WARPS = THREADS // 32
+    COLS, CL, RPT = channel_tile(H, bm, threads)
+    WARPS = threads // 32
     offsets = [o for o in (1, 2, 4, 8, 16) if CL <= o < 32]
     PADC = COLS + 8  # row of the token-major staging tile (bytes): 8-byte aligned rows
     NCHUNK = COLS * bm // 16  # 16-byte chunks of the transposed tile
-    NCH = ceil_div(NCHUNK, THREADS)  # per thread
+    NCH = ceil_div(NCHUNK, threads)  # per thread
     SEGS = bm // 16
     n_out = T.dynamic("n_out")
     out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
@@ -434,7 +563,9 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
         clamp_min: T.float32,
         nt16: T.int32,
     ):
-        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=THREADS) as (bx, by):
+        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=threads) as (bx, by):
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             cl = tx % CL
             rl = tx // CL
@@ -444,10 +575,10 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
             a = T.alloc_local((RPT, VEC), "bfloat16")
             q = T.alloc_local((RPT, VEC), "float8_e4m3fn")
             am = T.alloc_local((VEC,), "float32")
-            rw = T.alloc_local((VEC,), "float32")
-            sfv = T.alloc_local((VEC,), "float32")
+            cm = T.alloc_local((1,), "float32")
             siv = T.alloc_local((VEC,), "float32")
             red = T.alloc_shared((WARPS, COLS), "float32")
+            sinv = T.alloc_shared((COLS,), "float32")
             if transpose:
                 tile = T.alloc_shared((bm, PADC), "float8_e4m3fn")
                 col16 = T.alloc_local((16,), "float8_e4m3fn")
@@ -460,7 +591,7 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
                 am[i] = T.float32(0)
             for r in T.unroll(RPT):
                 for i in T.unroll(VEC):
-                    g1, u1, _, _, _ = _swiglu(T.cast(xg[r, i], "float32"), T.cast(xu[r, i], "float32"), clamp_on, clamp)
+                    g1, u1, _, _ = _swiglu(T.cast(xg[r, i], "float32"), T.cast(xu[r, i], "float32"), clamp_on, clamp)
                     a[r, i] = T.cast(g1 / (T.float32(1) + T.exp(-g1)) * u1, "bfloat16")
                     am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
             for i in T.unroll(VEC):
@@ -470,18 +601,17 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
                 for i in T.vectorized(VEC):
                     red[tx // 32, cl * VEC + i] = am[i]
             T.sync_threads()
-            for w in T.unroll(WARPS):
-                for i in T.vectorized(VEC):
-                    rw[i] = red[w, cl * VEC + i]
-                for i in T.unroll(VEC):
-                    am[i] = T.max(am[i], rw[i])
-            for i in T.unroll(VEC):
-                s, si = _tl.scale_rule(am[i], clamp_min, E4M3_MAX, round_sf)
-                sfv[i] = s
-                siv[i] = si
-            if rl == 0:
-                for i in T.vectorized(VEC):
-                    sf[by, col + i] = sfv[i]
+            # one thread per column finishes its amax and runs the scale rule once (not once per row lane)
+            if tx < COLS:
+                cm[0] = red[0, tx]
+                for w in T.unroll(1, WARPS):
+                    cm[0] = T.max(cm[0], red[w, tx])
+                s, si = _tl.scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
+                sf[by, bx * COLS + tx] = s
+                sinv[tx] = si
+            T.sync_threads()
+            for i in T.vectorized(VEC):
+                siv[i] = sinv[cl * VEC + i]
             for r in T.unroll(RPT):
                 for i in T.vectorized(VEC):
                     q[r, i] = T.cast(T.cast(a[r, i], "float32") * siv[i], "float8_e4m3fn")
@@ -497,9 +627,9 @@ def swiglu_fwd_channel_kernel(hidden: int, bm: int, round_sf: bool, transpose: b
                         tile[rl * RPT + r, cl * VEC + i] = q[r, i]
                 T.sync_threads()
                 for k in T.unroll(NCH):
-                    j = (tx + k * THREADS) // SEGS
-                    seg = (tx + k * THREADS) % SEGS
-                    if NCHUNK % THREADS == 0 or tx + k * THREADS < NCHUNK:
+                    j = (tx + k * threads) // SEGS
+                    seg = (tx + k * threads) % SEGS
+                    if NCHUNK % threads == 0 or tx + k * threads < NCHUNK:
                         for i in T.unroll(16):
                             col16[i] = tile[seg * 16 + i, j]
                         for i in T.vectorized(16):
@@ -532,9 +662,16 @@ def swiglu_forward_and_per_token_cast_(
     clamp_min: float,
 ) -> None:
     mode = "none" if clamp_value is None else ("clamp" if clamped_count is None else "count")
+    h = x.shape[1] // 2
     k = swiglu_fwd_token_kernel.get(
-        x.device, in_dtype=_IN_DTYPES[x.dtype], hidden=x.shape[1] // 2, group=group, layout=layout, round_sf=round_sf,
+        x.device,
+        in_dtype=_IN_DTYPES[x.dtype],
+        hidden=h,
+        group=group,
+        layout=layout,
+        round_sf=round_sf,
         clamp_mode=mode,
+        chunks=fwd_token_chunks(h, _IN_DTYPES[x.dtype]),
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
@@ -554,7 +691,8 @@ def swiglu_forward_and_per_token_cast_(
 
 
 @device_op(
-    "tk_quant::swiglu_backward_and_per_token_cast_", mutates_args=("out", "x_grad_fp8", "sf_flat", "x_grad", "weight_grad")
+    "tk_quant::swiglu_backward_and_per_token_cast_",
+    mutates_args=("out", "x_grad_fp8", "sf_flat", "x_grad", "weight_grad"),
 )
 def swiglu_backward_and_per_token_cast_(
     x: torch.Tensor,
@@ -577,11 +715,27 @@ def swiglu_backward_and_per_token_cast_(
     if x.shape[0] == 0:
         return
     k = swiglu_bwd_token_kernel.get(
-        x.device, hidden=x.shape[1] // 2, group=group, layout=layout, round_sf=round_sf, clamp_on=clamp_value is not None
+        x.device,
+        hidden=x.shape[1] // 2,
+        group=group,
+        layout=layout,
+        round_sf=round_sf,
+        clamp_on=clamp_value is not None,
+        **bwd_tuning(arch_of(x.device), clamp_value is not None),
     )
     k(
-        x, x_sf, grad_out, weight.view(-1), pos_to_token_topk, out, x_grad_fp8, sf_flat, x_grad, weight_grad.view(-1),
-        math.inf if clamp_value is None else clamp_value, clamp_min,
+        x,
+        x_sf,
+        grad_out,
+        weight.view(-1),
+        pos_to_token_topk,
+        out,
+        x_grad_fp8,
+        sf_flat,
+        x_grad,
+        weight_grad.view(-1),
+        math.inf if clamp_value is None else clamp_value,
+        clamp_min,
     )
 
 
@@ -597,10 +751,20 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
     clamp_min: float,
 ) -> None:
     k = swiglu_fwd_channel_kernel.get(
-        x.device, hidden=x.shape[1] // 2, bm=bm, round_sf=round_sf, transpose=transpose, clamp_on=clamp_value is not None
+        x.device,
+        hidden=x.shape[1] // 2,
+        bm=bm,
+        round_sf=round_sf,
+        transpose=transpose,
+        clamp_on=clamp_value is not None,
+        **CHANNEL_TUNING[bm],
     )
     k(
-        x, out.view(-1) if transpose else out, sf, math.inf if clamp_value is None else clamp_value, clamp_min,
+        x,
+        out.view(-1) if transpose else out,
+        sf,
+        math.inf if clamp_value is None else clamp_value,
+        clamp_min,
         x.shape[0] // 16,
     )
 
@@ -707,20 +871,42 @@ def swiglu_forward_and_per_token_cast(
     else:
         clamp_min = float(sf_clamp_min)
         if not (math.isfinite(clamp_min) and clamp_min >= E4M3_MAX * 2.0**-126):
-            checks.fail(op, "sf_clamp_min", f"a finite float >= {E4M3_MAX * 2.0**-126:.3g} (448 * 2**-126)", repr(sf_clamp_min))
+            checks.fail(
+                op, "sf_clamp_min", f"a finite float >= {E4M3_MAX * 2.0**-126:.3g} (448 * 2**-126)", repr(sf_clamp_min)
+            )
     if x.device.type != "cuda":
         from . import reference
 
         return reference.swiglu_forward_and_per_token_cast(
-            x, fmt, num_per_channels, pos_to_token_topk, topk_weights, pos_to_expert, use_tma_aligned_col_major_sf,
-            round_sf, use_packed_ue8m0, clamp, clamped_count, clamp_min,
+            x,
+            fmt,
+            num_per_channels,
+            pos_to_token_topk,
+            topk_weights,
+            pos_to_expert,
+            use_tma_aligned_col_major_sf,
+            round_sf,
+            use_packed_ue8m0,
+            clamp,
+            clamped_count,
+            clamp_min,
         )
     out = torch.empty((e, h), dtype=torch.float8_e4m3fn, device=x.device)
     flat, sf = alloc_sf_storage(e, ceil_div(h, num_per_channels), layout, x.device)
     if e:
         swiglu_forward_and_per_token_cast_(
-            x, pos_to_expert, pos_to_token_topk, topk_weights, out, flat, clamped_count, num_per_channels, layout,
-            bool(round_sf), clamp, clamp_min,
+            x,
+            pos_to_expert,
+            pos_to_token_topk,
+            topk_weights,
+            out,
+            flat,
+            clamped_count,
+            num_per_channels,
+            layout,
+            bool(round_sf),
+            clamp,
+            clamp_min,
         )
     return out, sf
 
@@ -794,8 +980,16 @@ def swiglu_backward_and_per_token_cast(
         from . import reference
 
         return reference.swiglu_backward_and_per_token_cast(
-            (xq, xs), grad_out, weight, pos_to_token_topk, token_topk_to_pos, num_per_channels, round_sf, clamp,
-            use_tma_aligned_col_major_sf, use_packed_ue8m0,
+            (xq, xs),
+            grad_out,
+            weight,
+            pos_to_token_topk,
+            token_topk_to_pos,
+            num_per_channels,
+            round_sf,
+            clamp,
+            use_tma_aligned_col_major_sf,
+            use_packed_ue8m0,
         )
     dev = xq.device
     out = torch.empty((e, h), dtype=torch.bfloat16, device=dev)
@@ -804,8 +998,21 @@ def swiglu_backward_and_per_token_cast(
     x_grad = torch.empty((e, h2), dtype=torch.bfloat16, device=dev)
     weight_grad = torch.empty_like(weight)
     swiglu_backward_and_per_token_cast_(
-        xq, xs, grad_out, weight, pos_to_token_topk, out, x_grad_fp8, flat, x_grad, weight_grad, num_per_channels,
-        layout, bool(round_sf), clamp, clamp_min,
+        xq,
+        xs,
+        grad_out,
+        weight,
+        pos_to_token_topk,
+        out,
+        x_grad_fp8,
+        flat,
+        x_grad,
+        weight_grad,
+        num_per_channels,
+        layout,
+        bool(round_sf),
+        clamp,
+        clamp_min,
     )
     return out, (x_grad_fp8, sf), x_grad, weight_grad
 

@@ -1,0 +1,280 @@
+"""Compares tuning variants of the three SwiGLU kernels in one GPU run (not a pytest file).
+
+    python3 packages/tk-quant/benchmarks/sweep_swiglu.py [fwd_token|fwd_channel|bwd_token ...]
+
+Each variant's kernels are compiled in parallel, then the public op runs with that variant (the factory the
+device op calls is swapped for one that hands out the precompiled kernel). Every variant is checked bit-exact
+against ``tk_quant.reference`` (on the GPU) on the anchor shapes and on odd shapes (0 and 1 rows, a hidden
+size that is not a multiple of the 512-column span / 128-column tile), then timed (L2 flushed) on each
+anchor line of shared/spec/anchor-figures.md. The first variant of each kernel is the op's default.
+"""
+
+import functools
+import sys
+import traceback
+
+import tilelang
+import torch
+
+from tk_core.jit import arch_of, target_of
+from tk_core.testing import count_bytes, generate_fused_mapping, generate_topk_idx
+from tk_core.testing.bench import device_time_us
+from tk_quant import reference as R
+from tk_quant import swiglu as S
+
+MOE = dict(num_send_tokens=4001, num_topk=2, num_experts=9, num_ep_ranks=8)
+
+# name -> (factory attribute in tk_quant.swiglu, {variant name: extra kernel parameters}); the default (the
+# launcher's own choice, no override) first, then at most two alternatives
+VARIANTS = {
+    "fwd_token": (
+        "swiglu_fwd_token_kernel",
+        # default at H = 3584: 7 chunks (2 warps per row), 4 warps per CTA; u2: the previous default; pair: the
+        # default with one scale rule per two chunks
+        {"default": {}, "u2": dict(chunks=2), "pair": dict(pair_scales=True)},
+    ),
+    "fwd_channel": (
+        "swiglu_fwd_channel_kernel",
+        {
+            "default": {},  # bm=32: 128 threads, 6 CTAs per SM
+            "t256mb2": dict(threads=256, min_blocks=2),
+            "t128mb8": dict(threads=128, min_blocks=8),
+        },
+    ),
+    "bwd_token": (
+        "swiglu_bwd_token_kernel",
+        {
+            "default": {},  # no clamp: preload, 4 CTAs per SM; clamp: plain loop, 1
+            "s2pre_mb4": dict(spans=2, preload=True, min_blocks=4),
+            "s2pre": dict(spans=2, preload=True, min_blocks=1),
+        },
+    ),
+}
+
+
+class Shim:
+    """Stands in for a kernel factory: records the parameters asked for, or serves precompiled kernels."""
+
+    def __init__(self, factory, extra, table):
+        self.factory, self.extra, self.table, self.wanted = factory, extra, table, []
+
+    def key(self, params):
+        return (self.factory.name, tuple(sorted({**params, **self.extra}.items())))
+
+    def get(self, device, **params):
+        k = self.key(params)
+        if k not in self.table:
+            self.wanted.append({**params, **self.extra})
+            raise LookupError(k)
+        return self.table[k]
+
+
+def moe_inputs(hidden, alignment):
+    idx = generate_topk_idx(MOE, device="cuda")
+    pe, ptt, ttp = generate_fused_mapping(idx, MOE["num_experts"], alignment)
+    x = torch.zeros((pe.numel(), 2 * hidden), dtype=torch.bfloat16, device="cuda")
+    real = ptt >= 0
+    x[real] = torch.randn(idx.shape[0], 2 * hidden, device="cuda").bfloat16()[ptt[real].long() // MOE["num_topk"]]
+    return idx, pe, ptt, ttp, x
+
+
+def fwd_token_cases():
+    """[(label, anchor GB/s or None, fn(op) -> outputs, bytes)]; ``fn(R.op)`` gives the reference."""
+    cases = []
+    idx, pe, ptt, ttp, x = moe_inputs(3584, 16)
+    anchors = {(True, None): 1862, (True, 0.5): 1877, (False, None): 2629, (False, 0.5): 1906}
+    for (use_pe, clamp), a in anchors.items():
+
+        def fn(op, x=x, pe=pe if use_pe else None, clamp=clamp):
+            cnt = torch.zeros(3, dtype=torch.int64, device="cuda") if clamp is not None else None
+            return (*op(x, "e4m3", 128, None, None, pe, True, True, True, clamp, cnt), cnt)
+
+        out, sf, _ = fn(R.swiglu_forward_and_per_token_cast)
+        cases.append((f"pe={use_pe} clamp={clamp}", a, fn, count_bytes(x, out, sf)))
+    for rows, h, bk in [(0, 3584, 128), (1, 3584, 128), (333, 1152, 128), (77, 1280, 64), (50, 1024, 1024)]:
+        xo = torch.randn(rows, 2 * h, device="cuda").bfloat16()
+        peo = torch.where(torch.rand(rows, device="cuda") < 0.2, -1, 0).int()
+        w = torch.randn(rows, 2, device="cuda")
+        pto = torch.randint(-1, 2 * rows, (rows,), device="cuda", dtype=torch.int32) if rows else peo
+
+        def fn(op, x=xo, pe=peo, w=w, pt=pto, bk=bk, row=bk > 128):
+            cnt = torch.full((4,), 3, dtype=torch.int64, device="cuda")
+            return (*op(x, "e4m3", bk, pt, w, pe, not row, True, not row, 0.5, cnt), cnt)
+
+        cases.append((f"odd rows={rows} h={h} bk={bk}", None, fn, 0))
+    return cases, S.swiglu_forward_and_per_token_cast, R.swiglu_forward_and_per_token_cast
+
+
+def fwd_channel_cases():
+    cases = []
+    t, h = 8064, 7168
+    x = torch.randn(t, 2 * h, device="cuda").bfloat16()
+    anchors = {(True, None): 3670, (True, 0.5): 3596, (False, None): 3661, (False, 0.5): 3590}
+    for (rnd, clamp), a in anchors.items():
+        cases.append(
+            (
+                f"round_sf={rnd} clamp={clamp}",
+                a,
+                lambda op, rnd=rnd, clamp=clamp: op(x, "e4m3", 32, rnd, True, clamp),
+                x.numel() * 2 + t * h + (t // 32) * h * 4,
+            )
+        )
+    for tt, hh, bm, tr in [(0, 7168, 32, True), (32, 576, 32, True), (96, 576, 32, False), (128, 1024, 128, True)]:
+        xo = torch.randn(tt, 2 * hh, device="cuda").bfloat16() * 3
+        cases.append(
+            (
+                f"odd t={tt} h={hh} bm={bm} transpose={tr}",
+                None,
+                lambda op, xo=xo, bm=bm, tr=tr: op(xo, "e4m3", bm, True, not tr, 0.5),
+                0,
+            )
+        )
+    return (
+        cases,
+        S.swiglu_forward_and_per_channel_cast_and_transpose,
+        R.swiglu_forward_and_per_channel_cast_and_transpose,
+    )
+
+
+def bwd_token_cases():
+    cases = []
+    h = 7168
+    anchors = {(32, None): 2934, (32, 0.5): 2847, (128, None): 2884, (128, 0.5): 2788}
+    for (bk, clamp), a in anchors.items():
+        idx, pe, ptt, ttp, x = moe_inputs(h, bk)
+        q = R.cast(x, "e4m3", (1, bk))
+        weight = torch.rand(idx.shape[0], 2, device="cuda")
+        grad = torch.randn(x.shape[0], h, device="cuda").bfloat16()
+        args = (q, grad, weight, ptt, ttp, bk, True, clamp)
+        nbytes = count_bytes(q, grad, weight, ptt, ttp, R.swiglu_backward_and_per_token_cast(*args))
+        cases.append((f"bk={bk} clamp={clamp}", a, lambda op, args=args: op(*args), nbytes))
+    for rows, hh, bk, flags in [
+        (0, 1024, 128, (False, False)),
+        (1, 7168, 32, (False, False)),
+        (333, 1152, 128, (True, True)),
+        (65, 1280, 64, (True, False)),
+    ]:
+        xo = torch.randn(rows, 2 * hh, device="cuda").bfloat16() * 2
+        q = R.cast(xo, "e4m3", (1, bk))
+        n = max(rows, 3)
+        weight = torch.rand(n, 2, device="cuda")
+        ptt = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+        perm = torch.randperm(2 * n, device="cuda")[: max(rows - 1, 0)].int()
+        ptt[: perm.numel()] = perm
+        ttp = torch.full((n, 2), -1, dtype=torch.int32, device="cuda")
+        ttp.view(-1)[perm.long()] = torch.arange(perm.numel(), dtype=torch.int32, device="cuda")
+        grad = torch.randn(rows, hh, device="cuda").bfloat16()
+        args = (q, grad, weight, ptt, ttp, bk, True, 0.5, *flags)
+        cases.append((f"odd rows={rows} h={hh} bk={bk}", None, lambda op, args=args: op(*args), 0))
+    return cases, S.swiglu_backward_and_per_token_cast, R.swiglu_backward_and_per_token_cast
+
+
+def flat(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if out is None:
+        return []
+    return [t for o in out for t in flat(o)]
+
+
+def bits(t):
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def same(a, b):
+    """Bit equality of every output tensor (shape, dtype, and strides of non-empty tensors: an empty tensor's
+    strides carry no layout, e.g. the reference's ``(0, H).t().contiguous()`` keeps strides ``(1, H)``)."""
+    fa, fb = flat(a), flat(b)
+    return len(fa) == len(fb) and all(
+        x.shape == y.shape
+        and x.dtype == y.dtype
+        and (x.numel() == 0 or x.stride() == y.stride())
+        and torch.equal(bits(x), bits(y))
+        for x, y in zip(fa, fb, strict=True)
+    )
+
+
+def main():
+    names = sys.argv[1:] or list(VARIANTS)
+    builders = {"fwd_token": fwd_token_cases, "fwd_channel": fwd_channel_cases, "bwd_token": bwd_token_cases}
+    table = {}
+    plan = []
+    for name in names:
+        attr, variants = VARIANTS[name]
+        factory = getattr(S, attr)
+        try:
+            cases, op, ref = builders[name]()
+        except Exception:  # noqa: BLE001
+            print(f"{name} inputs FAILED\n{traceback.format_exc(limit=3)}", flush=True)
+            continue
+        for vname, extra in variants.items():
+            shim = Shim(factory, extra, table)
+            setattr(S, attr, shim)
+            for _, _, fn, _ in cases:
+                try:
+                    fn(op)
+                except Exception:  # noqa: BLE001  (the shim's LookupError, possibly wrapped by the op)
+                    pass
+            setattr(S, attr, factory)
+            plan.append((name, attr, factory, vname, extra, cases, op, ref, shim))
+    # compile every (variant, shape) kernel at once; a variant that fails to compile is reported and skipped
+    jobs = {}
+    for *_, shim in plan:
+        for p in shim.wanted:
+            jobs.setdefault(shim.key(p), (shim.factory, p))
+    arch = arch_of(None)
+    keys = list(jobs)
+    funcs, ok_keys = [], []
+    for k in keys:
+        try:
+            funcs.append(jobs[k][0](**jobs[k][1]))
+            ok_keys.append(k)
+        except Exception as exc:  # noqa: BLE001
+            print(f"build {k} failed: {exc!r}", flush=True)
+    for factory in {f for f, _ in jobs.values()}:
+        ks = [k for k in ok_keys if k[0] == factory.name]
+        fs = [funcs[ok_keys.index(k)] for k in ks]
+        try:
+            table.update(
+                zip(
+                    ks,
+                    tilelang.par_compile(fs, target=target_of(arch), num_workers=16, pass_configs=factory.pass_configs),
+                )
+            )
+        except Exception:  # noqa: BLE001
+            for k, f in zip(ks, fs):  # one by one, to isolate the failing variant
+                try:
+                    table[k] = tilelang.compile(f, target=target_of(arch), pass_configs=factory.pass_configs)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"compile {k} failed: {exc!r}", flush=True)
+    for name, attr, factory, vname, extra, cases, op, ref, shim in plan:
+        setattr(S, attr, shim)
+        try:
+            ok = True
+            if "spans" in extra:  # the weight-grad summation order follows the split
+                R.wgrad_dot = functools.partial(wgrad_dot, spans=extra["spans"])
+            for label, _, fn, _ in cases:
+                good = same(fn(op), fn(ref))
+                if not good:
+                    print(f"  {name}/{vname} MISMATCH on {label}", flush=True)
+                ok &= good
+            for label, anchor, fn, nbytes in cases:
+                if anchor is None:
+                    continue
+                us = device_time_us(lambda fn=fn: fn(op), rep_ms=60, warmup_ms=15)
+                g = nbytes / us / 1e3
+                print(
+                    f"{name}/{vname} [{label}] ok={ok} us={us:.1f} GB/s={g:.0f} anchor={anchor} ratio={g / anchor:.2f}",
+                    flush=True,
+                )
+        except Exception:  # noqa: BLE001
+            print(f"{name}/{vname} FAILED\n{traceback.format_exc(limit=3)}", flush=True)
+        finally:
+            setattr(S, attr, factory)
+            R.wgrad_dot = wgrad_dot
+
+
+wgrad_dot = R.wgrad_dot
+
+if __name__ == "__main__":
+    main()
