@@ -1,6 +1,10 @@
 """jit, library glue and the GPU fixtures, exercised on a small kernel that follows the project's
 pattern: static dtype and width, a dynamic row count, a runtime scalar, a registered device op."""
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import tilelang.language as T
 import torch
@@ -65,6 +69,28 @@ def test_precompile_fills_the_cache():
     variants = [(scale_rows, dict(dtype="float32", hidden=h)) for h in (64, 128)]
     assert jit.precompile(variants, archs=("sm_90a",), workers=2, progress=False) == 2
     assert scale_rows.get("sm_90a", dtype="float32", hidden=64) is scale_rows.get("sm_90a", hidden=64, dtype="float32")
+
+
+def test_get_compiles_different_kernels_in_parallel_and_each_once(monkeypatch):
+    factory = jit.kernel(lambda n: None)
+    running, peak, calls = [0], [0], []
+    lock = threading.Lock()
+
+    def fake_compile(arch, **params):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            calls.append(params["n"])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return ("kernel", params["n"])
+
+    monkeypatch.setattr(factory, "compile", fake_compile)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda n: factory.get("sm_90a", n=n), [1, 2, 1, 2]))
+    assert got == [("kernel", 1), ("kernel", 2)] * 2
+    assert sorted(calls) == [1, 2] and peak[0] == 2
 
 
 @pytest.mark.gpu

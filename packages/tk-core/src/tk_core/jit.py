@@ -67,7 +67,8 @@ class KernelFactory:
         self.pass_configs = pass_configs or {}
         self.name = factory.__name__
         self._cache: dict = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _key_locks
+        self._key_locks: dict = {}  # one lock per (arch, parameters): different kernels compile in parallel
         functools.update_wrapper(self, factory)
 
     def __call__(self, **params):
@@ -96,6 +97,8 @@ class KernelFactory:
             arch = arch_of(device)
             full_key = (arch, tuple(sorted(params.items())))
             with self._lock:
+                key_lock = self._key_locks.setdefault(full_key, threading.Lock())
+            with key_lock:  # the same kernel is compiled once, however many threads ask for it
                 kernel = self._cache.get(full_key)
                 if kernel is None:
                     kernel = self.compile(arch, **params)
