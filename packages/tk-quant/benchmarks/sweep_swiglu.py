@@ -15,14 +15,13 @@ import traceback
 
 import tilelang
 import torch
+from bench_swiglu import moe_inputs  # the benchmarks' MoE routing (this script's folder is on sys.path)
 
 from tk_core.jit import arch_of, target_of
-from tk_core.testing import count_bytes, generate_fused_mapping, generate_topk_idx
+from tk_core.testing import count_bytes
 from tk_core.testing.bench import device_time_us
 from tk_quant import reference as R
 from tk_quant import swiglu as S
-
-MOE = dict(num_send_tokens=4001, num_topk=2, num_experts=9, num_ep_ranks=8)
 
 # name -> (factory attribute in tk_quant.swiglu, {variant name: extra kernel parameters}); the default (the
 # launcher's own choice, no override) first, then at most two alternatives
@@ -67,15 +66,6 @@ class Shim:
             self.wanted.append({**params, **self.extra})
             raise LookupError(k)
         return self.table[k]
-
-
-def moe_inputs(hidden, alignment):
-    idx = generate_topk_idx(MOE, device="cuda")
-    pe, ptt, ttp = generate_fused_mapping(idx, MOE["num_experts"], alignment)
-    x = torch.zeros((pe.numel(), 2 * hidden), dtype=torch.bfloat16, device="cuda")
-    real = ptt >= 0
-    x[real] = torch.randn(idx.shape[0], 2 * hidden, device="cuda").bfloat16()[ptt[real].long() // MOE["num_topk"]]
-    return idx, pe, ptt, ttp, x
 
 
 def fwd_token_cases():

@@ -94,7 +94,7 @@ def test_kernel_compiles(arch, elem_bits, mode):
     if mode != "scalar":  # 16-byte global loads
         assert re.search(r"= \*\(u?int4\*\)\(x \+", src)
     if mode == "vector":  # register transpose and 16-byte global stores
-        assert "tk_st128(" in src
+        assert "tk_st_global_v4(" in src
         assert ("__byte_perm" in src) == (elem_bits < 32)
 
 
@@ -102,7 +102,7 @@ def test_kernel_compiles(arch, elem_bits, mode):
 @pytest.mark.parametrize("elem_bits", [8, 16, 32])
 def test_kernel_compiles_with_8_byte_loads(elem_bits):
     src = assert_compiles(transpose_kernel, "sm_90a", elem_bits=elem_bits, mode="vector", load_bytes=8)
-    assert re.search(r"= \*\((uint2|ushort4|int2)\*\)\(x \+", src) and "tk_st128(" in src  # 8-byte loads
+    assert re.search(r"= \*\((uint2|ushort4|int2)\*\)\(x \+", src) and "tk_st_global_v4(" in src  # 8-byte loads
 
 
 # --- gpu tier -------------------------------------------------------------------------------------

@@ -14,28 +14,44 @@ import math
 import tilelang.language as T
 
 from tk_core.jit import kernel
+from tk_core.layout import ceil_div
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)
 
 
+@T.macro
+def add_row_sums(part, hv, kv, vv, wh):
+    """The gate's four per-row sums (float32): h.h, k.k, (h w_h).(k w_h) and v.v."""
+    part[0] += hv * hv
+    part[1] += kv * kv
+    part[2] += hv * kv * (wh * wh)
+    part[3] += vv * vv
+
+
+@T.macro
+def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int):
+    """This thread's ``slots`` 16-byte column vectors of the row ``src[m, t, :]`` into ``dst``."""
+    for s in T.unroll(slots):
+        c0 = (s * threads + tx) * VEC
+        if c0 < d:
+            for e in T.vectorized(VEC):
+                dst[s * VEC + e] = src[m, t, c0 + e]
+
+
 def row_layout(d: int) -> tuple[int, int]:
     """(slots, threads) for a d-row: slots * threads * 8 >= d, threads a multiple of 32, at most 1024."""
-    nvec = _cdiv(d, VEC)
-    slots = _cdiv(nvec, 1024)
-    threads = _cdiv(_cdiv(nvec, slots), 32) * 32
+    nvec = ceil_div(d, VEC)
+    slots = ceil_div(nvec, 1024)
+    threads = ceil_div(ceil_div(nvec, slots), 32) * 32
     return slots, threads
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
     """(slots, threads) of the forward: ``vecs`` 16-byte vectors per thread (more if 1024 threads would not
     cover d), so that the per-token overhead (two-level reduction, gate scalars) spreads over 8*vecs elements."""
-    nvec = _cdiv(d, VEC)
-    slots = max(vecs, _cdiv(nvec, 1024))
-    return slots, _cdiv(_cdiv(nvec, slots), 32) * 32
+    nvec = ceil_div(d, VEC)
+    slots = max(vecs, ceil_div(nvec, 1024))
+    return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
@@ -137,11 +153,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     nv[s * VEC + e] = V[bm, tn, c0 + e]
                 if t < 0:
                     if pre and not early_v:
-                        for s in T.unroll(slots):
-                            c0 = (s * threads + tx) * VEC
-                            if c0 < d:
-                                for e in T.vectorized(VEC):
-                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
+                        load_row(nv, V, bm, tn, tx, slots, threads, d)
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         for e in T.vectorized(VEC):
@@ -163,10 +175,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 kv = T.cast(xk[s * VEC + e], f32)
                                 vv = T.cast(xv[s * VEC + e], f32)
                                 wh = T.cast(wl[e], f32)
-                                part[0] += hv * hv
-                                part[1] += kv * kv
-                                part[2] += hv * kv * (wh * wh)
-                                part[3] += vv * vv
+                                add_row_sums(part, hv, kv, vv, wh)
                     for q in T.unroll(4):
                         part[q] = T.warp_reduce_sum(part[q])
                     if lane == 0:
@@ -176,11 +185,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     # the next token's v only now (unless ``early_v``): H and k of this token are dead, which keeps
                     # the register peak under the 2-CTA/SM cap (128)
                     if pre and not early_v:
-                        for s in T.unroll(slots):
-                            c0 = (s * threads + tx) * VEC
-                            if c0 < d:
-                                for e in T.vectorized(VEC):
-                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
+                        load_row(nv, V, bm, tn, tx, slots, threads, d)
                     for q in T.unroll(4):
                         tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
                     for q in T.unroll(4):
@@ -485,7 +490,7 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
     ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns."""
     R = taps - 1
     RS = max(R, 1)
-    NCB = _cdiv(d, VEC * threads)
+    NCB = ceil_div(d, VEC * threads)
     M = T.dynamic("M")
     L = T.dynamic("seq_len")
     NP = T.dynamic("num_parts")

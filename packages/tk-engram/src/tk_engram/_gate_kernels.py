@@ -15,6 +15,7 @@ row strides divided by 8, so the vector alignment is provable and no stride is b
 import tilelang.language as T
 
 from tk_core.jit import kernel
+from tk_core.ptx import ST_GLOBAL_V4
 
 VEC = 8  # bf16 elements per 16-byte vector
 BF16 = "bfloat16"
@@ -87,7 +88,8 @@ __device__ __forceinline__ void tk_cp_async_wait_prior() { asm volatile("cp.asyn
 
 
 # Eight float32 values rounded to bf16 (round to nearest even, as the TileLang cast) and written with one 16-byte
-# store instruction: from the TileLang vector store nvcc emitted 4 x st.global.u32 for grad_v.
+# store instruction (needs ``ST_GLOBAL_V4`` before it): from the TileLang vector store nvcc emitted 4 x
+# st.global.u32 for grad_v.
 STORE_BF16X8 = r"""
 #include <cuda_bf16.h>
 __device__ __forceinline__ void tk_store_bf16x8(void* dst, const float* v) {
@@ -97,8 +99,7 @@ __device__ __forceinline__ void tk_store_bf16x8(void* dst, const float* v) {
     __nv_bfloat162 p = __float22bfloat162_rn(make_float2(v[2 * i], v[2 * i + 1]));
     u[i] = *reinterpret_cast<unsigned int*>(&p);
   }
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
-               :: "l"(__cvta_generic_to_global(dst)), "r"(u[0]), "r"(u[1]), "r"(u[2]), "r"(u[3]) : "memory");
+  tk_st_global_v4(dst, u[0], u[1], u[2], u[3]);
 }
 """
 
@@ -388,7 +389,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
 
     @T.macro
     def body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk):
-        with T.Kernel(nparts * n, threads=threads, prelude=CP_ASYNC + STORE_BF16X8) as bid:
+        with T.Kernel(nparts * n, threads=threads, prelude=CP_ASYNC + ST_GLOBAL_V4 + STORE_BF16X8) as bid:
             T.annotate_min_blocks_per_sm(blocks)
             tx = T.get_thread_binding()
             p = bid // n

@@ -34,12 +34,13 @@ from tvm import tirx
 
 from tk_core import checks
 from tk_core.jit import kernel
+from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
 from . import reference
+from ._gate_conv_kernels import VEC, add_row_sums
 from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
-VEC = 8  # elements per 16-byte access (float16 / bfloat16)
 # CTAs per batch row in the step kernel (a thread block cluster): 8 SMs instead of 1 load a row at small batch.
 STEP_CLUSTER = 8
 _SMS = 132  # H100 / H200 SXM; the grid heuristics below only need the order of magnitude
@@ -49,13 +50,9 @@ def step_layout(d: int, cluster: int = 1) -> tuple[int, int, int]:
     """(vectors per CTA, slots, threads) of the step kernel with ``cluster`` CTAs per row: CTA r of a row
     owns the 8-column vectors r * vpc + s * threads + tx (s < slots, s * threads + tx < vpc); threads a
     multiple of 32, at most 1024."""
-    vpc = _cdiv(_cdiv(d, VEC), cluster)
-    slots = _cdiv(vpc, 1024)
-    return vpc, slots, _cdiv(_cdiv(vpc, slots), 32) * 32
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    vpc = ceil_div(ceil_div(d, VEC), cluster)
+    slots = ceil_div(vpc, 1024)
+    return vpc, slots, ceil_div(ceil_div(vpc, slots), 32) * 32
 
 
 def proj_config(B: int, d_mem: int, d: int) -> dict:
@@ -67,14 +64,14 @@ def proj_config(B: int, d_mem: int, d: int) -> dict:
     block_k 128 and 3 stages (96 KiB, 2 CTAs/SM: twice the W bytes in flight per CTA of block_k 64, which
     took 24 % longer at d = 7168 with the same grid), d_mem split as far as the grid still fits one wave."""
     if B <= 16:
-        nk = _cdiv(d_mem, 64)
+        nk = ceil_div(d_mem, 64)
         splits = 1
         for s in (2, 4, 8):
             if nk % s == 0 and nk // s >= 8:
                 splits = s
         return dict(block_m=16, block_n=64, block_k=64, stages=4, splits=splits, min_blocks=4)
-    nk = _cdiv(d_mem, 128)
-    panels = _cdiv(d, 64) * 2 * _cdiv(B, 64)
+    nk = ceil_div(d_mem, 128)
+    panels = ceil_div(d, 64) * 2 * ceil_div(B, 64)
     splits = 1
     for s in (2, 4, 8):
         if nk % s == 0 and panels * s <= 2 * _SMS:
@@ -232,10 +229,7 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
                         wh = T.cast(wl[s * VEC + e], f32)
                         kf[s * VEC + e] = kv
                         vf[s * VEC + e] = vv
-                        part[0] += hv * hv
-                        part[1] += kv * kv
-                        part[2] += hv * kv * (wh * wh)
-                        part[3] += vv * vv
+                        add_row_sums(part, hv, kv, vv, wh)
             for q in T.unroll(4):
                 part[q] = T.warp_reduce_sum(part[q])
             if lane == 0:

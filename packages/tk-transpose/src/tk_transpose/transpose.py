@@ -26,6 +26,7 @@ import torch
 from tk_core import checks
 from tk_core.jit import kernel
 from tk_core.library import device_op
+from tk_core.ptx import ST_GLOBAL_V4, st_global_v4
 
 from . import reference
 
@@ -50,15 +51,6 @@ _TUNING = {
     16: dict(lanes_m=4, warps_m=2, warps_n=2, min_blocks=6, load_bytes=16),
     32: dict(lanes_m=4, warps_m=2, warps_n=4, min_blocks=4, load_bytes=16),
 }
-
-# A 16-byte global store of four 32-bit words held in registers. (Storing a local array through a
-# ``uint4*`` cast lets nvcc split it into four 4-byte stores.)
-_ST128 = r"""
-__device__ __forceinline__ void tk_st128(void* p, unsigned a, unsigned b, unsigned c, unsigned d) {
-  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(a), "r"(b), "r"(c), "r"(d));
-}
-"""
-
 
 def _byte_perm(a, b, selector: int):
     return T.call_extern("uint32", "__byte_perm", a, b, T.uint32(selector))
@@ -132,7 +124,7 @@ def transpose_kernel(
     def main(x: T.StridedTensor((B, M, N), (sb, sm, 1), dtype), out: T.Tensor((B, N, M), dtype)):
         tiles_m = T.ceildiv(M, block_m)
         tiles_n = T.ceildiv(N, block_n)
-        with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=_ST128) as tile_id:
+        with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=ST_GLOBAL_V4) as tile_id:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             if mode != "scalar":  # the host picks the variant only when these hold
@@ -163,8 +155,7 @@ def transpose_kernel(
                         for g in T.unroll(4):
                             _transpose_words(rows, k, g, p, cols)
                         for t in T.unroll(p):
-                            T.evaluate(T.call_extern("handle", "tk_st128", T.address_of(out[b, c0 + k * p + t, r0]),
-                                                     cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3]))
+                            st_global_v4(T.address_of(out[b, c0 + k * p + t, r0]), cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3])
                 else:
                     for j in T.unroll(uc):
                         for i in T.unroll(v):
