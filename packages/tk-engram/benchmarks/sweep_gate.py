@@ -23,7 +23,7 @@ from tk_engram import reference
 from tk_engram._gate_kernels import PASS_CONFIGS, gate_bwd_kernel, gate_fwd_kernel
 from tk_engram.gate import _vec_view, token_chunks
 
-DEFAULT = ["fwd:224,3", "fwd:224,4", "fwd:448,2", "bwd:224,2,1", "bwd:224,2,0", "bwd:448,2,1"]
+DEFAULT = ["fwd:224,3", "fwd:224,4", "fwd:448,2", "bwd:224,2,0", "bwd:224,2,1", "bwd:448,2,0"]
 N, H, T_ = 4, 7168, 8001
 EPS, CLAMP = 1e-6, 1e-6
 ANCHOR = {("fwd", True): 3809, ("fwd", False): 3811, ("bwd", None): 3916}

@@ -1,18 +1,15 @@
-"""Compares tuning variants of ``per_channel_cast_kernel`` and ``per_block_cast_lossless_kernel`` in one GPU
-run (not a pytest file).
+"""Compares tuning variants of ``per_channel_cast_kernel`` in one GPU run (not a pytest file).
 
     python3 packages/tk-quant/benchmarks/sweep_channel.py [variant ...]
 
 Variants (``VARIANTS``): ``default`` is what the ops launch (``blocks_per_sm``, ``default_vec``, a persistent grid
-of SMs x min_blocks CTAs); the others override kernel parameters on the anchor lines they name (``fp8v8*``: the
-QuantTensor-input lines with the former 8-channel e4m3 rows; ``ll_p4mb3``: the lossless lines with 4 row passes
-at 3 CTAs per SM). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
-per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused plain and QuantTensor input;
-per_block_cast_lossless 1x128 / 32x32 / 128x128 / 1x128 packed), checked bit-exact against ``reference.py`` on
-odd token counts and on the anchor shape, then timed (CUPTI, L2 flushed). The first variant also checks odd
-hidden sizes (and 0 tokens, fp32 input and the gather paths). One line per variant x anchor line:
-``name ok=<bool> us=<t> GB/s=<g> anchor=<a> ratio=<g/a>``; the lossless target is 3,500 GB/s (its anchor
-figures are ~1,000)."""
+of SMs x min_blocks CTAs); the others override kernel parameters on the anchor lines they name (``QIN``: the
+QuantTensor-input lines). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
+per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused plain and QuantTensor input), checked bit-exact
+against ``reference.py`` on odd token counts and on the anchor shape, then timed (CUPTI, L2 flushed). The first
+variant also checks odd hidden sizes (and 0 tokens, fp32 input and the gather paths). One line per variant x
+anchor line: ``name ok=<bool> us=<t> GB/s=<g> anchor=<a> ratio=<g/a>``. The lossless block cast has its own
+``sweep_lossless.py``."""
 
 import sys
 import traceback
@@ -22,20 +19,17 @@ import torch
 
 from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, target_of
-from tk_core.layout import ceil_div
 from tk_core.testing.bench import device_time_us
 from tk_quant import reference
-from tk_quant.per_block_cast import alloc_sf_storage
-from tk_quant.per_block_cast_lossless import MIN_BLOCKS, per_block_cast_lossless_kernel
 from tk_quant.per_channel_cast import blocks_per_sm, per_channel_cast_kernel
 
 QIN = "quant_in"  # the QuantTensor-input lines
-# name: (per-channel lines it applies to: None all, QIN, or () none; channel overrides; lossless overrides or None)
+# name: (per-channel lines it applies to: None all, QIN; channel overrides)
 VARIANTS = {
-    "default": (None, {}, {}),
-    "fp8v8mb4": (QIN, dict(vec=8, min_blocks=4), None),  # the previous e4m3 tile
-    "fp8v8mb5": (QIN, dict(vec=8, min_blocks=5), None),
-    "ll_p4mb3": ((), {}, dict(passes=4, min_blocks=3)),
+    "default": (None, {}),
+    "pf_top": (None, dict(prefetch_first=True)),  # the next tile's loads before the amax (session 2 round 2)
+    "qmb3": (QIN, dict(min_blocks=3)),  # QuantTensor input at 3 CTAs per SM (its widened tile then spills)
+    "qv8mb4": (QIN, dict(vec=8, min_blocks=4)),  # 8-channel e4m3 rows
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")
@@ -61,64 +55,6 @@ EXTRA = [
     dict(hidden=576, bm=128, round_sf=False, gather=True),
     dict(hidden=2048, bm=128, round_sf=True, quant_in=True, gather=True),
 ]
-
-
-# per_block_cast_lossless: (out block, packed SF output, anchor GB/s); T = 8001, input blocks 1 x 32 fp32.
-LOSSLESS = [((1, 128), False, 1058), ((32, 32), False, 1042), ((128, 128), False, 1009), ((1, 128), True, 1043)]
-LOSSLESS_T = 8001
-
-
-def lossless_params(ob, packed, over, sms, hidden=H):
-    """Kernel parameters as ``per_block_cast_lossless_`` passes them, with ``over`` on top."""
-    p = dict(hidden=hidden, bm_in=1, bk_in=32, in_kind="fp32", bm_out=ob[0], bk_out=ob[1],
-             layout="packed" if packed else "row", min_blocks=MIN_BLOCKS) | over
-    return p | dict(ctas=sms * p["min_blocks"])
-
-
-def lossless_case(k, p, t):
-    """(fn, ok_fn, nbytes): the kernel on a random FP4 input of t tokens, its bit-exact check."""
-    h, ob, packed = p["hidden"], (p["bm_out"], p["bk_out"]), p["layout"] == "packed"
-    xq = reference.cast(torch.randn(t, h, device="cuda"), "e2m1", (1, 32), round_sf=True)
-    data, sf_in = xq
-    out = torch.full((t, h), 0x7F, dtype=torch.uint8, device="cuda")
-    flat, sf = alloc_sf_storage(ceil_div(t, ob[0]), ceil_div(h, ob[1]), p["layout"], "cuda")
-    flat.fill_(0x7F if packed else 0)
-    err = torch.zeros(1, dtype=torch.int32, device="cuda")
-    fn = lambda: k(data.view(torch.int32), sf_in.view(torch.int32).reshape(-1), out.view(torch.uint32), flat, err,  # noqa: E731
-                   sf_in.stride(0), sf_in.stride(1))
-
-    def ok_fn():
-        ro, rs, n_err = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), ob, packed, True, packed)
-        return (torch.equal(out, ro.view(torch.uint8)) and torch.equal(sf.view(torch.int32), rs.view(torch.int32))
-                and int(err.item()) == int(n_err))
-
-    nbytes = data.numel() + sf_in.numel() * 4 + out.numel() + sf.numel() * sf.element_size()
-    return fn, ok_fn, nbytes
-
-
-def run_lossless(ks, s, first):
-    for i, (ob, packed, anchor) in enumerate(LOSSLESS):
-        name = f"lossless {ob[0]}x{ob[1]}{' packed' if packed else ''}"
-        try:
-            k, p = ks[(s, f"l{i}")]
-            ok = True
-            for t in [1, 127, 4001, LOSSLESS_T]:
-                fn, ok_fn, _ = lossless_case(k, p, t)
-                fn()
-                ok &= ok_fn()
-            if first:
-                kx, px = ks[(s, f"lx{i}")]
-                for t in [1, 127]:
-                    fn, ok_fn, _ = lossless_case(kx, px, t)
-                    fn()
-                    ok &= ok_fn()
-            fn, _, nbytes = lossless_case(k, p, LOSSLESS_T)
-            us = device_time_us(fn)
-            g = nbytes / us / 1e3
-            print(f"{s:>9} {name:<28} ok={ok} us={us:.1f} GB/s={g:.0f} anchor={anchor} ratio={g / anchor:.3f} target=3500",
-                  flush=True)
-        except Exception:
-            print(f"{s:>9} {name:<28} ok=False failed:\n{traceback.format_exc(limit=3)}", flush=True)
 
 
 def full(p, over, sms, arch):
@@ -181,31 +117,21 @@ def main():
     first = names[0]
     jobs = []
     for s in names:
-        sel, cover, lover = VARIANTS[s]
-        jobs += [(per_channel_cast_kernel, s, i, full(p, cover, sms, arch)) for i, (_, p, _, _) in enumerate(LINES) if applies(sel, p)]
-        if lover is not None:
-            jobs += [(per_block_cast_lossless_kernel, s, f"l{i}", lossless_params(ob, pk, lover, sms))
-                     for i, (ob, pk, _) in enumerate(LOSSLESS)]
-    sel, cover, lover = VARIANTS[first]
-    jobs += [(per_channel_cast_kernel, first, f"x{i}", full(p, cover, sms, arch)) for i, p in enumerate(EXTRA) if applies(sel, p)]
-    if lover is not None:
-        jobs += [(per_block_cast_lossless_kernel, first, f"lx{i}", lossless_params(ob, pk, lover, sms, 576))
-                 for i, (ob, pk, _) in enumerate(LOSSLESS)]
+        sel, cover = VARIANTS[s]
+        jobs += [(s, i, full(p, cover, sms, arch)) for i, (_, p, _, _) in enumerate(LINES) if applies(sel, p)]
+    sel, cover = VARIANTS[first]
+    jobs += [(first, f"x{i}", full(p, cover, sms, arch)) for i, p in enumerate(EXTRA) if applies(sel, p)]
     funcs, live = [], []
-    for fac, s, i, p in jobs:
+    for s, i, p in jobs:
         try:
-            funcs.append(fac(**p))
+            funcs.append(per_channel_cast_kernel(**p))
             live.append((s, i, p))
         except Exception:
             print(f"{s} {i} trace failed:\n{traceback.format_exc(limit=2)}", flush=True)
-    # Both factories use the same pass configs.
-    assert per_channel_cast_kernel.pass_configs == per_block_cast_lossless_kernel.pass_configs
     kernels = tilelang.par_compile(funcs, target=target_of(arch), num_workers=16,
                                    pass_configs=per_channel_cast_kernel.pass_configs)
     ks = {(s, i): (k, p) for (s, i, p), k in zip(live, kernels)}
     for s in names:
-        if VARIANTS[s][2] is not None:
-            run_lossless(ks, s, s == first)
         for i, (name, _, t, anchor) in enumerate(LINES):
             if (s, i) not in ks:
                 continue

@@ -1,6 +1,7 @@
 """Compares tuning variants of the three SwiGLU kernels in one GPU run (not a pytest file).
 
-    python3 packages/tk-quant/benchmarks/sweep_swiglu.py [fwd_token|fwd_channel|bwd_token ...]
+    python3 packages/tk-quant/benchmarks/sweep_swiglu.py [fwd_token|fwd_channel|bwd_token ...]  (default: the
+    two forward kernels)
 
 Each variant's kernels are compiled in parallel, then the public op runs with that variant (the factory the
 device op calls is swapped for one that hands out the precompiled kernel). Every variant is checked bit-exact
@@ -23,21 +24,28 @@ from tk_core.testing.bench import device_time_us
 from tk_quant import reference as R
 from tk_quant import swiglu as S
 
-# name -> (factory attribute in tk_quant.swiglu, {variant name: extra kernel parameters}); the default (the
-# launcher's own choice, no override) first, then at most two alternatives
+# name -> (factory attribute in tk_quant.swiglu, {variant name: extra kernel parameters}); the op's default (the
+# launcher's own choice, no override) first. Forward per-token (H = 3584): the default is 2 chunks per warp at 10
+# CTAs per SM (48 registers), one scale rule per two chunks, ``tk_div_fast`` and the bf16 clamp counting; u2mb1:
+# no register cap (9 CTAs per SM); unpaired: a scale rule per chunk; c7: 7 chunks per warp (2 warps per row, 94
+# registers); ieee: the default without ``tk_div_fast`` (IEEE division per element, as in session 2).
 VARIANTS = {
     "fwd_token": (
         "swiglu_fwd_token_kernel",
-        # default at H = 3584: 7 chunks (2 warps per row), 4 warps per CTA; u2: the previous default; pair: the
-        # default with one scale rule per two chunks
-        {"default": {}, "u2": dict(chunks=2), "pair": dict(pair_scales=True)},
+        {
+            "default": {},
+            "u2mb1": dict(min_blocks=1),
+            "unpaired": dict(pair_scales=False),
+            "c7": dict(chunks=7, min_blocks=1, pair_scales=False),
+            "ieee": dict(fast_div=False),
+        },
     ),
     "fwd_channel": (
         "swiglu_fwd_channel_kernel",
         {
-            "default": {},  # bm=32: 128 threads, 6 CTAs per SM
-            "t256mb2": dict(threads=256, min_blocks=2),
+            "default": {},  # bm=32: 128 threads, 6 CTAs per SM, tk_div_fast
             "t128mb8": dict(threads=128, min_blocks=8),
+            "ieee": dict(fast_div=False),  # session 2's kernel
         },
     ),
     "bwd_token": (
@@ -49,6 +57,7 @@ VARIANTS = {
         },
     ),
 }
+DEFAULT_RUN = ("fwd_token", "fwd_channel")  # bwd_token only when named (keeps a plain run under 90 s)
 
 
 class Shim:
@@ -92,7 +101,27 @@ def fwd_token_cases():
             return (*op(x, "e4m3", bk, pt, w, pe, not row, True, not row, 0.5, cnt), cnt)
 
         cases.append((f"odd rows={rows} h={h} bk={bk}", None, fn, 0))
+    xe = wide_values(96, 2 * 3584)
+    for clamp in (None, 0.5, 1e-33, 100.0):  # the anchor's kernels (no extra compile); clamp values at runtime
+
+        def fn(op, x=xe, clamp=clamp):
+            cnt = torch.zeros(3, dtype=torch.int64, device="cuda") if clamp is not None else None
+            return (*op(x, "e4m3", 128, None, None, None, True, True, True, clamp, cnt), cnt)
+
+        cases.append((f"wide values clamp={clamp}", None, fn, 0))
     return cases, S.swiglu_forward_and_per_token_cast, R.swiglu_forward_and_per_token_cast
+
+
+def wide_values(rows, cols):
+    """bf16 of magnitudes 2**-135 .. 2**12 (bf16 subnormals to beyond the fast-division range |g| <= 64), both
+    signs, with +-0 sprinkled: exercises both sides of ``tk_div_fast``'s range test, also within one chunk."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    mag = torch.exp2(torch.rand(rows, cols, device="cuda", generator=g) * 147 - 135)
+    x = torch.where(torch.rand(rows, cols, device="cuda", generator=g) < 0.5, -mag, mag)
+    x[torch.rand(rows, cols, device="cuda", generator=g) < 0.01] = 0.0
+    x[torch.rand(rows, cols, device="cuda", generator=g) < 0.01] = -0.0
+    x[: rows // 2] = torch.randn(rows // 2, cols, device="cuda", generator=g) * 4  # whole chunks in range
+    return x.bfloat16()
 
 
 def fwd_channel_cases():
@@ -107,6 +136,16 @@ def fwd_channel_cases():
                 a,
                 lambda op, rnd=rnd, clamp=clamp: op(x, "e4m3", 32, rnd, True, clamp),
                 x.numel() * 2 + t * h + (t // 32) * h * 4,
+            )
+        )
+    xe = wide_values(128, 2 * h)
+    for rnd, clamp in ((True, None), (False, 0.5), (True, 100.0)):  # the anchor's kernels
+        cases.append(
+            (
+                f"wide values round_sf={rnd} clamp={clamp}",
+                None,
+                lambda op, rnd=rnd, clamp=clamp: op(xe, "e4m3", 32, rnd, True, clamp),
+                0,
             )
         )
     for tt, hh, bm, tr in [(0, 7168, 32, True), (32, 576, 32, True), (96, 576, 32, False), (128, 1024, 128, True)]:
@@ -185,7 +224,7 @@ def same(a, b):
 
 
 def main():
-    names = sys.argv[1:] or list(VARIANTS)
+    names = sys.argv[1:] or list(DEFAULT_RUN)
     builders = {"fwd_token": fwd_token_cases, "fwd_channel": fwd_channel_cases, "bwd_token": bwd_token_cases}
     table = {}
     plan = []

@@ -13,7 +13,8 @@ from tk_quant.per_block_cast_lossless import (
     per_block_cast_lossless_kernel,
 )
 
-OUT_BLOCKS = [(1, 128), (32, 32), (128, 128)]
+# (2, 64): several block maxima per thread; (64, 512): 8 threads per row, through shared memory
+OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512)]
 LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True
 
 
@@ -102,6 +103,7 @@ COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=128, bk_out=128, layout="row"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="packed"),
     dict(hidden=576, bm_in=1, bk_in=32, in_kind="packed", bm_out=32, bk_out=32, layout="packed"),
+    dict(hidden=576, bm_in=1, bk_in=32, in_kind="fp32", bm_out=2, bk_out=64, layout="row"),
 ]
 
 

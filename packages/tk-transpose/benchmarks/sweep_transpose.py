@@ -16,9 +16,9 @@ from tk_transpose import reference
 from tk_transpose.transpose import _access_mode, transpose_kernel
 
 DEFAULT = [  # bits,lanes_m,warps_m,warps_n,min_blocks,load_bytes; the op's default first
-    "8,4,2,2,4,16", "8,4,4,1,4,16", "8,4,2,2,6,8", "8,4,2,4,3,8",
-    "16,4,2,2,6,16", "16,4,4,2,4,16", "16,4,2,2,8,8", "16,4,2,4,4,8", "16,8,2,2,8,8",
-    "32,4,2,4,4,16", "32,4,2,4,5,8",
+    "8,4,2,2,4,16", "8,4,2,2,3,16", "8,4,2,2,5,16", "8,4,2,1,8,16", "8,4,4,1,5,16",
+    "16,4,2,2,6,16", "16,4,2,4,3,16", "16,4,2,2,5,16", "16,4,2,2,7,16", "16,4,4,1,6,16", "16,4,2,1,12,16",
+    "32,4,2,4,4,16",
 ]
 ANCHOR = {8: (3640, 3895), 16: (3909, 4098)}  # anchor GB/s: e4m3 / bf16, 2-D and batched
 DT = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}  # views of raw bytes

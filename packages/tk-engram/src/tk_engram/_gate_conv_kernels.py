@@ -237,25 +237,54 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
 
 
 def fuse_dconv(d: int) -> bool:
-    """Whether the backward accumulates dconv_w inside the main kernel: only while a thread's registers
-    allow it (at most 512 threads per CTA, i.e. d <= 4096); larger rows use ``gate_conv_dconv_kernel``."""
+    """Whether the backward accumulates dconv_w inside the main kernel: only while its taps x d float32
+    accumulators fit in shared memory next to the rings (d <= 4096); larger rows use ``gate_conv_dconv_kernel``."""
     return row_layout(d)[1] <= 512
 
 
-@kernel
-def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True):
+@T.macro
+def load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps: int, EV: int):
+    """Slot ``s``'s 16-byte vectors of w_h, w_v and the conv taps (``cw[p * EV + s * VEC ..]``)."""
+    for e in T.vectorized(VEC):
+        wl[s * VEC + e] = w_h[c0 + e]
+    for e in T.vectorized(VEC):
+        wm[s * VEC + e] = w_v[c0 + e]
+    for p in T.unroll(taps):
+        for e in T.vectorized(VEC):
+            cw[p * EV + s * VEC + e] = conv_w[p, c0 + e]
+
+
+def bwd_layout(d: int, vecs: int) -> tuple[int, int]:
+    """(slots, threads) of the backward: ``vecs`` 16-byte vectors per thread (more if 1024 threads would not
+    cover d), threads a multiple of 32."""
+    nvec = ceil_div(d, VEC)
+    slots = max(vecs, ceil_div(nvec, 1024))
+    return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
+
+
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
+                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
     per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
-    reduced in a fixed order afterwards: no atomics, bitwise reproducible."""
-    slots, threads = row_layout(d)
+    reduced in a fixed order afterwards: no atomics, bitwise reproducible.
+
+    Iteration ``it`` runs stage A (n, u, g_u of chain token it-R) and stage B (the gate backward of token
+    it-2R). Memory is pipelined: stage A's V and dY rows arrive one iteration ahead (registers), stage B's
+    H, k, V, dY rows and the weights are issued at the top of the iteration so that they fly during stage A,
+    and stay in registers across the barrier (no reload). The per-thread rings (n, g_u) and the drms_w
+    accumulators live in shared memory and move as 16-byte vectors. ``hoist_w`` loads the weights once per
+    iteration, with the rows; otherwise each stage loads its slot's weights where it uses them (L1 hits), which
+    lowers the register peak (no spills at d=4096 on sm_90a and sm_100a). ``ahead=False`` issues stage A's rows with stage
+    B's at the top of their own iteration (8 registers fewer per vector, still one round trip per iteration)."""
+    slots, threads = bwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
     RS = max(R, 1)
     DP = slots * threads * VEC
     EV = slots * VEC
     NPW = 2 + taps if with_dconv else 2
-    keep_gn = True  # recomputing g_n instead (False) costs more registers with ptxas 13.0
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")
@@ -288,84 +317,133 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             ring_n = T.alloc_shared((RS, DP), dtype)
             ring_g = T.alloc_shared((taps, DP), f32)
             accw = T.alloc_shared((2, DP), f32)
+            # dconv_w accumulators in shared memory: 32 registers fewer per vector than in registers
+            dacc = T.alloc_shared((taps if with_dconv else 1, DP), f32)
             red = T.alloc_shared((2, 4, 32), f32)
             tot = T.alloc_local((4,), f32)
             ps = T.alloc_local((4,), f32)
-            acc = T.alloc_local((taps * EV,), f32)
             gn = T.alloc_local((EV,), f32)
-            xa = T.alloc_local((VEC,), dtype)
-            xb = T.alloc_local((VEC,), dtype)
-            xc = T.alloc_local((VEC,), dtype)
-            xd = T.alloc_local((VEC,), dtype)
-            wl = T.alloc_local((VEC,), dtype)
-            wm = T.alloc_local((VEC,), dtype)
-            cw = T.alloc_local((taps * VEC,), dtype)
+            av = T.alloc_local((EV,), dtype)
+            ad = T.alloc_local((EV,), dtype)
+            nv = T.alloc_local((EV,), dtype)
+            nd = T.alloc_local((EV,), dtype)
+            xa = T.alloc_local((EV,), dtype)
+            xb = T.alloc_local((EV,), dtype)
+            xc = T.alloc_local((EV,), dtype)
+            xd = T.alloc_local((EV,), dtype)
+            wl = T.alloc_local((EV,), dtype)
+            wm = T.alloc_local((EV,), dtype)
+            cw = T.alloc_local((taps * EV,), dtype)
+            rn = T.alloc_local((RS * VEC,), dtype)
             nn = T.alloc_local((VEC,), dtype)
+            gv = T.alloc_local((VEC,), f32)
+            aw = T.alloc_local((VEC,), f32)
             oa = T.alloc_local((VEC,), dtype)
             ob = T.alloc_local((VEC,), dtype)
             oc = T.alloc_local((VEC,), dtype)
             uu = T.alloc_local((1,), f32)
             nch = T.ceildiv(L, dilation * chunk)
             base = br + dilation * chunk * bc
-            if with_dconv:
-                for e in T.unroll(taps * EV):
-                    acc[e] = T.float32(0)
             for s in T.unroll(slots):
-                for e in T.unroll(VEC):
-                    accw[0, (s * threads + tx) * VEC + e] = T.float32(0)
-                    accw[1, (s * threads + tx) * VEC + e] = T.float32(0)
+                c0 = (s * threads + tx) * VEC
+                for e in T.vectorized(VEC):
+                    aw[e] = T.float32(0)
+                for p in T.unroll(2):
+                    for e in T.vectorized(VEC):
+                        accw[p, c0 + e] = aw[e]
+                if with_dconv:
+                    for p in T.unroll(taps):
+                        for e in T.vectorized(VEC):
+                            dacc[p, c0 + e] = aw[e]
+            # stage A's first rows (the walk starts R chain tokens before the chunk)
+            t0 = base - dilation * R
+            if ahead and t0 >= 0:
+                load_row(nv, V, bm, t0, tx, slots, threads, d)
+                load_row(nd, dY, bm, t0, tx, slots, threads, d)
             for it in T.serial(2 * R + chunk):
-                # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 tj = base + dilation * (it - R)
+                ti = tj - dilation * R
                 sj = T.truncmod(it, RS)
                 gj = T.truncmod(it, taps)
+                if ahead:
+                    for e in T.unroll(EV):
+                        av[e] = nv[e]
+                        ad[e] = nd[e]
+                elif tj >= 0 and tj < L:
+                    load_row(av, V, bm, tj, tx, slots, threads, d)
+                    load_row(ad, dY, bm, tj, tx, slots, threads, d)
+                do_b = it >= 2 * R and ti < L
+                if do_b:
+                    load_row(xa, H, bm, ti, tx, slots, threads, d)
+                    load_row(xb, K, bm, ti, tx, slots, threads, d)
+                    load_row(xc, V, bm, ti, tx, slots, threads, d)
+                    load_row(xd, dY, bm, ti, tx, slots, threads, d)
+                tn = tj + dilation
+                if ahead and it + 1 < 2 * R + chunk and tn >= 0 and tn < L:  # stage A of the next iteration
+                    load_row(nv, V, bm, tn, tx, slots, threads, d)
+                    load_row(nd, dY, bm, tn, tx, slots, threads, d)
+                if hoist_w:
+                    for s in T.unroll(slots):
+                        c0 = (s * threads + tx) * VEC
+                        if c0 < d:
+                            load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
+                # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 if tj < 0:
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        for e in T.unroll(VEC):
-                            ring_n[sj, c0 + e] = T.cast(0, dtype)
+                        for e in T.vectorized(VEC):
+                            nn[e] = T.cast(0, dtype)
+                        for e in T.vectorized(VEC):
+                            ring_n[sj, c0 + e] = nn[e]
                 elif tj < L:
                     a = alpha[bm, tj]
                     rv = rr_v[bm, tj]
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            for e in T.vectorized(VEC):
-                                xc[e] = V[bm, tj, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xd[e] = dY[bm, tj, c0 + e]
-                            for e in T.vectorized(VEC):
-                                wm[e] = w_v[c0 + e]
-                            for p in T.unroll(taps):
+                            if not hoist_w:
+                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
+                            for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
-                                    cw[p * VEC + e] = conv_w[p, c0 + e]
+                                    rn[(q - 1) * VEC + e] = ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e]
                             for e in T.unroll(VEC):
-                                nn[e] = T.cast(a * T.cast(xc[e], f32) * T.cast(wm[e], f32) * rv, dtype)
-                                uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(nn[e], f32)
+                                nn[e] = T.cast(a * T.cast(av[s * VEC + e], f32) * T.cast(wm[s * VEC + e], f32) * rv,
+                                               dtype)
+                                uu[0] = T.cast(cw[(taps - 1) * EV + s * VEC + e], f32) * T.cast(nn[e], f32)
                                 for q in T.unroll(1, taps):
-                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(
-                                        ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e], f32
+                                    uu[0] += T.cast(cw[(taps - 1 - q) * EV + s * VEC + e], f32) * T.cast(
+                                        rn[(q - 1) * VEC + e], f32
                                     )
                                 sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
-                                gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
-                                ring_g[gj, c0 + e] = gu
-                                if with_dconv:
-                                    if it >= R and it < R + chunk:
-                                        acc[(taps - 1) * EV + s * VEC + e] += gu * T.cast(nn[e], f32)
-                                        for q in T.unroll(1, taps):
-                                            acc[(taps - 1 - q) * EV + s * VEC + e] += gu * T.cast(
-                                                ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e], f32
-                                            )
-                            for e in T.unroll(VEC):
+                                gv[e] = T.cast(ad[s * VEC + e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
+                            if with_dconv:
+                                if it >= R and it < R + chunk:
+                                    for e in T.vectorized(VEC):
+                                        aw[e] = dacc[taps - 1, c0 + e]
+                                    for e in T.unroll(VEC):
+                                        aw[e] += gv[e] * T.cast(nn[e], f32)
+                                    for e in T.vectorized(VEC):
+                                        dacc[taps - 1, c0 + e] = aw[e]
+                                    for q in T.unroll(1, taps):
+                                        for e in T.vectorized(VEC):
+                                            aw[e] = dacc[taps - 1 - q, c0 + e]
+                                        for e in T.unroll(VEC):
+                                            aw[e] += gv[e] * T.cast(rn[(q - 1) * VEC + e], f32)
+                                        for e in T.vectorized(VEC):
+                                            dacc[taps - 1 - q, c0 + e] = aw[e]
+                            for e in T.vectorized(VEC):
+                                ring_g[gj, c0 + e] = gv[e]
+                            for e in T.vectorized(VEC):
                                 ring_n[sj, c0 + e] = nn[e]
                 else:
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        for e in T.unroll(VEC):
-                            ring_g[gj, c0 + e] = T.float32(0)
+                        for e in T.vectorized(VEC):
+                            gv[e] = T.float32(0)
+                        for e in T.vectorized(VEC):
+                            ring_g[gj, c0 + e] = gv[e]
                 # ---- stage B: token i = it - 2R (norm and gate backward, dH, dk, dv) ----
-                ti = base + dilation * (it - 2 * R)
-                if it >= 2 * R and ti < L:
+                if do_b:
                     a = alpha[bm, ti]
                     rh = rr_h[bm, ti]
                     rk = rr_k[bm, ti]
@@ -375,35 +453,22 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            for p in T.unroll(taps):
-                                for e in T.vectorized(VEC):
-                                    cw[p * VEC + e] = conv_w[p, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xa[e] = H[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xb[e] = K[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xc[e] = V[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xd[e] = dY[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_h[c0 + e]
-                            for e in T.vectorized(VEC):
-                                wm[e] = w_v[c0 + e]
+                            if not hoist_w:
+                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
                             for e in T.unroll(VEC):
-                                uu[0] = T.float32(0)
-                                for q in T.unroll(taps):
-                                    uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
-                                        T.truncmod(it - R + q + taps * taps, taps), c0 + e
-                                    ]
-                                if keep_gn:
-                                    gn[s * VEC + e] = uu[0]
-                                vv = T.cast(xc[e], f32)
-                                wh = T.cast(wl[e], f32)
-                                ps[0] += T.cast(wm[e], f32) * uu[0] * vv
+                                gn[s * VEC + e] = T.float32(0)
+                            for q in T.unroll(taps):
+                                for e in T.vectorized(VEC):
+                                    gv[e] = ring_g[T.truncmod(it - R + q + taps * taps, taps), c0 + e]
+                                for e in T.unroll(VEC):
+                                    gn[s * VEC + e] += T.cast(cw[(taps - 1 - q) * EV + s * VEC + e], f32) * gv[e]
+                            for e in T.unroll(VEC):
+                                vv = T.cast(xc[s * VEC + e], f32)
+                                wh = T.cast(wl[s * VEC + e], f32)
+                                ps[0] += T.cast(wm[s * VEC + e], f32) * gn[s * VEC + e] * vv
                                 ps[1] += vv * vv
-                                ps[2] += T.cast(xd[e], f32) * vv
-                                ps[3] += T.cast(xa[e], f32) * T.cast(xb[e], f32) * (wh * wh)
+                                ps[2] += T.cast(xd[s * VEC + e], f32) * vv
+                                ps[3] += T.cast(xa[s * VEC + e], f32) * T.cast(xb[s * VEC + e], f32) * (wh * wh)
                     # CTA-wide sums: lanes, then the warps' partials read by one lane each and summed by the
                     # same shuffle tree (fixed order, identical in every thread); ``red`` is double-buffered,
                     # so one barrier per token suffices.
@@ -426,42 +491,29 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            for e in T.vectorized(VEC):
-                                xa[e] = H[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xb[e] = K[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xc[e] = V[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                xd[e] = dY[bm, ti, c0 + e]
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_h[c0 + e]
-                            for e in T.vectorized(VEC):
-                                wm[e] = w_v[c0 + e]
-                            if not keep_gn:
-                                for p in T.unroll(taps):
-                                    for e in T.vectorized(VEC):
-                                        cw[p * VEC + e] = conv_w[p, c0 + e]
+                            for p in T.unroll(2):
+                                for e in T.vectorized(VEC):
+                                    aw[e] = accw[p, c0 + e]
+                                for e in T.unroll(VEC):
+                                    hv = T.cast(xa[s * VEC + e], f32)
+                                    kv = T.cast(xb[s * VEC + e], f32)
+                                    vh = a * T.cast(xc[s * VEC + e], f32)
+                                    if p == 0:
+                                        aw[e] += cc * hv * kv
+                                    else:
+                                        aw[e] += gn[s * VEC + e] * vh * rv
+                                for e in T.vectorized(VEC):
+                                    accw[p, c0 + e] = aw[e]
                             for e in T.unroll(VEC):
-                                hv = T.cast(xa[e], f32)
-                                kv = T.cast(xb[e], f32)
-                                vh = a * T.cast(xc[e], f32)
-                                wh = T.cast(wl[e], f32)
-                                if keep_gn:
-                                    uu[0] = gn[s * VEC + e]
-                                else:
-                                    uu[0] = T.float32(0)
-                                    for q in T.unroll(taps):
-                                        uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring_g[
-                                            T.truncmod(it - R + q + taps * taps, taps), c0 + e
-                                        ]
-                                g = uu[0]
-                                gvh = rv * T.cast(wm[e], f32) * g - c1 * vh + T.cast(xd[e], f32)
+                                hv = T.cast(xa[s * VEC + e], f32)
+                                kv = T.cast(xb[s * VEC + e], f32)
+                                vh = a * T.cast(xc[s * VEC + e], f32)
+                                wh = T.cast(wl[s * VEC + e], f32)
+                                g = gn[s * VEC + e]
+                                gvh = rv * T.cast(wm[s * VEC + e], f32) * g - c1 * vh + T.cast(xd[s * VEC + e], f32)
                                 oc[e] = T.cast(a * gvh, dtype)
                                 oa[e] = T.cast(cc * (wh * wh * kv - ch * hv), dtype)
                                 ob[e] = T.cast(cc * (wh * wh * hv - ck * kv), dtype)
-                                accw[0, c0 + e] += cc * hv * kv
-                                accw[1, c0 + e] += g * vh * rv
                             for e in T.vectorized(VEC):
                                 dH[bm, ti, c0 + e] = oa[e]
                             for e in T.vectorized(VEC):
@@ -478,16 +530,20 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     if with_dconv:
                         for p in T.unroll(taps):
                             for e in T.vectorized(VEC):
-                                part[pid, 2 + p, c0 + e] = acc[p * EV + s * VEC + e]
+                                part[pid, 2 + p, c0 + e] = dacc[p, c0 + e]
 
     return main
 
 
 @kernel
-def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, threads: int = 128):
+def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, threads: int = 128,
+                           min_blocks: int = 4):
     """dconv_w partial sums for rows too wide to fuse them into the backward: CTAs own 8*threads columns
     of one chain chunk, recompute n, u and g_u column by column (no row reductions) and write
-    ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns."""
+    ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns. Each thread's next
+    V and dY vectors are loaded one token ahead, so a load is always in flight behind the serial chain; the
+    chunk (independent of the main kernel's) sets the grid: 128 tokens give one wave at d=7168 with
+    ``min_blocks`` CTAs per SM (a register cap)."""
     R = taps - 1
     RS = max(R, 1)
     NCB = ceil_div(d, VEC * threads)
@@ -507,11 +563,14 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
         part: T.Tensor((NP, taps, d), f32),
     ):
         with T.Kernel(NCB * T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bx, br, bm):
+            T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            ring = T.alloc_local((RS * VEC,), f32)
+            ring = T.alloc_local((RS * VEC,), dtype)  # n is rounded to dtype: exact, half the registers
             acc = T.alloc_local((taps * VEC,), f32)
             xc = T.alloc_local((VEC,), dtype)
             xd = T.alloc_local((VEC,), dtype)
+            nc = T.alloc_local((VEC,), dtype)
+            nd = T.alloc_local((VEC,), dtype)
             wm = T.alloc_local((VEC,), dtype)
             cw = T.alloc_local((taps * VEC,), dtype)
             nn = T.alloc_local((VEC,), f32)
@@ -523,40 +582,51 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
             for e in T.unroll(taps * VEC):
                 acc[e] = T.float32(0)
             for e in T.unroll(RS * VEC):
-                ring[e] = T.float32(0)
+                ring[e] = T.cast(0, dtype)
             if c0 < d:
                 for e in T.vectorized(VEC):
                     wm[e] = w_v[c0 + e]
                 for p in T.unroll(taps):
                     for e in T.vectorized(VEC):
                         cw[p * VEC + e] = conv_w[p, c0 + e]
+                t0 = base - dilation * R
+                if t0 >= 0:
+                    for e in T.vectorized(VEC):
+                        nc[e] = V[bm, t0, c0 + e]
+                    for e in T.vectorized(VEC):
+                        nd[e] = dY[bm, t0, c0 + e]
                 for it in T.serial(R + chunk):
                     tj = base + dilation * (it - R)
+                    for e in T.unroll(VEC):
+                        xc[e] = nc[e]
+                        xd[e] = nd[e]
+                    tn = tj + dilation
+                    if it + 1 < R + chunk and tn >= 0 and tn < L:
+                        for e in T.vectorized(VEC):
+                            nc[e] = V[bm, tn, c0 + e]
+                        for e in T.vectorized(VEC):
+                            nd[e] = dY[bm, tn, c0 + e]
                     if tj >= 0 and tj < L:
                         a = alpha[bm, tj]
                         rv = rr_v[bm, tj]
-                        for e in T.vectorized(VEC):
-                            xc[e] = V[bm, tj, c0 + e]
-                        for e in T.vectorized(VEC):
-                            xd[e] = dY[bm, tj, c0 + e]
                         for e in T.unroll(VEC):
                             nn[e] = T.cast(T.cast(a * T.cast(xc[e], f32) * T.cast(wm[e], f32) * rv, dtype), f32)
                             uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * nn[e]
                             for q in T.unroll(1, taps):
-                                uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * ring[(q - 1) * VEC + e]
+                                uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(ring[(q - 1) * VEC + e], f32)
                             sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
                             gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
                             if it >= R:
                                 acc[(taps - 1) * VEC + e] += gu * nn[e]
                                 for q in T.unroll(1, taps):
-                                    acc[(taps - 1 - q) * VEC + e] += gu * ring[(q - 1) * VEC + e]
+                                    acc[(taps - 1 - q) * VEC + e] += gu * T.cast(ring[(q - 1) * VEC + e], f32)
                     # shift the history (ring[q-1] holds the chain token q steps back); zeros before t = 0
                     for q in T.unroll(R - 1):
                         for e in T.unroll(VEC):
                             ring[(R - 1 - q) * VEC + e] = ring[(R - 2 - q) * VEC + e]
                     if R > 0:
                         for e in T.unroll(VEC):
-                            ring[e] = T.if_then_else(tj >= 0 and tj < L, nn[e], T.float32(0))
+                            ring[e] = T.if_then_else(tj >= 0 and tj < L, T.cast(nn[e], dtype), T.cast(0, dtype))
                 pid = (bm * dilation + br) * nch + bc
                 for p in T.unroll(taps):
                     for e in T.vectorized(VEC):

@@ -345,7 +345,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0, pipeline: bool = True):
+def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0, pipeline: bool = False):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
 
     CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
@@ -363,13 +363,15 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
     ``pipeline`` the x and k rows of token t + 1 are copied into a second shared-memory stage while token t is
     processed (cp.async groups, waited for one token late), so half of a CTA's row loads are always in flight
     and the DRAM stream does not stall on each CTA's load-reduce-store cycle; without it they are issued with token
-    t's other loads. ``blocks`` (0: the default ``bwd_blocks_per_sm``) sets the CTAs per SM the registers are
-    capped for. Neither changes any arithmetic: results are bit-identical across variants.
+    t's other loads, still into stage t % 2: a copy may land before the same thread's earlier shared-memory reads
+    of its stage have been performed (cp.async is not ordered with them), and the barrier between tokens t - 1
+    and t + 1 orders them (one stage measured wrong results on long token chunks). ``pipeline`` measured slower
+    (3,523 against 3,773 GB/s on the H200 at the anchor line). ``blocks`` (0: the default ``bwd_blocks_per_sm``)
+    sets the CTAs per SM the registers are capped for. Neither changes any arithmetic: results are bit-identical across variants.
     """
     R = -(-hidden // (VEC * threads))
     RO = -(-R // n)
     blocks = blocks or bwd_blocks_per_sm(hidden, threads)
-    S = 2 if pipeline else 1
     W = threads // 32
     nt = T.dynamic("num_tokens")
     nparts = T.dynamic("num_parts")
@@ -377,15 +379,15 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
 
     @T.macro
     def copy_xk(X, K, xs, ks, t, h, sx0, sx1, sk0, sk1, tx):
-        # token t's x and k vectors into stage t % S (each thread copies, and later reads, only its own)
+        # token t's x and k vectors into stage t % 2 (each thread copies, and later reads, only its own)
         t64 = T.cast(t, "int64")
         xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
         kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
         for r in T.unroll(R):
             d0 = (r * threads + tx) * VEC
             if d0 < hidden:
-                _cp_async16(xs, (t % S) * hidden + d0, X, xbase + d0)
-                _cp_async16(ks, (t % S) * hidden + d0, K, kbase + d0)
+                _cp_async16(xs, (t % 2) * hidden + d0, X, xbase + d0)
+                _cp_async16(ks, (t % 2) * hidden + d0, K, kbase + d0)
 
     @T.macro
     def body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk):
@@ -399,8 +401,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
             gvl = T.alloc_local((RO, n, VEC), BF16)
             xl = T.alloc_local((VEC,), BF16)
             kl = T.alloc_local((VEC,), BF16)
-            xs = T.alloc_shared((S * hidden,), BF16)
-            ks = T.alloc_shared((S * hidden,), BF16)
+            xs = T.alloc_shared((2 * hidden,), BF16)
+            ks = T.alloc_shared((2 * hidden,), BF16)
             wl = T.alloc_local((VEC,), F32)
             acc = T.alloc_local((R, VEC), F32)
             gvacc = T.alloc_local((VEC,), F32)
@@ -466,7 +468,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 rx = Rx[t, h]
                 rk = Rk[t, h]
                 if pipeline:
-                    # the next token's x and k (issued together with this token's loads); stage (t + 1) % S
+                    # the next token's x and k (issued together with this token's loads); stage (t + 1) % 2
                     # was last read by this thread at token t - 1. A group is committed every token (empty on
                     # the last) so that "all but the newest group done" always means token t's copies landed.
                     if t + 1 < t_end:
@@ -517,9 +519,9 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
                         for j in T.vectorized(VEC):
-                            xl[j] = xs[(t % S) * hidden + d0 + j]
+                            xl[j] = xs[(t % 2) * hidden + d0 + j]
                         for j in T.vectorized(VEC):
-                            kl[j] = ks[(t % S) * hidden + d0 + j]
+                            kl[j] = ks[(t % 2) * hidden + d0 + j]
                         for j in T.vectorized(VEC):
                             wl[j] = ws[d0 + j]
                         for j in T.unroll(VEC):

@@ -14,11 +14,13 @@ object does ``cache_pos += 1`` by default). A zero cache with cache_pos = 0 is a
 prefill followed by N decode steps reproduces the prefill of all T + N tokens. Only the w-1 lagged slots are
 read and one slot written per step (no shift copy).
 
-Kernels (two launches): one tensor-core projection for both weights (W read once for up to 64 rows per CTA
-column panel; d_mem split into float32 partials so that the grid fills the GPU at small batch), then a
-cluster of ``STEP_CLUSTER`` CTAs per row that sums the partials in a fixed order (deterministic), exchanges
-the row sums through a small global scratch across a cluster barrier and does the gate, convolution and
-cache update. Runtime: batch, L, positions, eps.
+Kernels: by default one launch (``decode_fused_kernel``): a tensor-core projection for both weights (W read
+once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the grid fills the GPU
+at small batch) whose last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes the
+panel's row sums and, after a barrier among the panel finishers, does the gate, convolution and cache update for
+its columns. Deterministic: every sum has a fixed order, no float atomics. When there are too many panel
+finishers for the SMs (large batch), two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER``
+CTAs per row (``decode_step_kernel``). Runtime: batch, L, positions, eps.
 
 Roofline bytes (e = element size; the benchmark's ``bytes``):
     2*d_mem*d*e (W_K, W_V) + B*d_mem*e (e_t) + B*d*e (h_t) + B*d*e (y) + B*w*d*e (w-1 cache reads + 1 write)
@@ -26,6 +28,7 @@ Roofline bytes (e = element size; the benchmark's ``bytes``):
 The float32 partials of k and v (splits*2*B*d*4, written and read once, mostly in L2) are not counted.
 """
 
+import functools
 import math
 
 import tilelang.language as T
@@ -279,6 +282,282 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
     return main
 
 
+# Inter-CTA synchronisation of the fused kernel. Ctr (int32, zero when first used) holds the grid barrier
+# (arrive count, generation) then one arrival counter per (row tile, column panel); every counter is reset by its
+# last user, so the next launch finds zeros. The waiters are at most one CTA per panel, fewer than the SMs, so the
+# CTAs they wait for always find a free slot (no co-residency requirement beyond that).
+FUSED_PRELUDE = r"""
+__device__ __forceinline__ int tk_arrive_last(int* cnt, int n) {
+  __threadfence();
+  int last = atomicAdd(cnt, 1) == n - 1;
+  if (last) atomicExch(cnt, 0);
+  __threadfence();
+  return last;
+}
+__device__ __forceinline__ void tk_grid_wait(int* bar, int n) {
+  __threadfence();
+  int gen = atomicAdd(bar + 1, 0);  // read before arriving: it cannot move until this CTA has arrived
+  if (atomicAdd(bar, 1) == n - 1) {
+    atomicExch(bar, 0);
+    __threadfence();
+    atomicAdd(bar + 1, 1);
+  } else {
+    // A finisher that cannot get an SM (e.g. an MPS SM limit) would hang the GPU: trap after seconds instead.
+    for (long long i = 0; *reinterpret_cast<volatile int*>(bar + 1) == gen; ++i) {
+      if (i > (1ll << 23)) __trap();
+      __nanosleep(20);
+    }
+  }
+  __threadfence();
+}
+// Data other CTAs wrote during this launch: read through L2 (L1 is not coherent).
+__device__ __forceinline__ void tk_ldcg_f32x4(float* dst, const float* src) {
+  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
+}
+"""
+FUSED_PANEL = 64  # columns per CTA panel: 128-byte W row segments, 8 threads x 8 columns per batch row
+_CTR_LEN = 4096  # int32 words of the per-device counter workspace
+
+
+def fused_config(B: int, d_mem: int, d: int, sms: int = _SMS) -> dict:
+    """Tiling of ``decode_fused_kernel`` (untimed first guess, see benchmarks/sweep_decode.py).
+
+    Up to 16 rows: block_m 16, 4 stages of 18 KiB (3 CTAs/SM, 64 KiB of W in flight per CTA); d_mem split so
+    that the CTAs spread evenly over the SMs (the busiest SM sets the time), preferring 2+ CTAs per SM.
+    More rows: block_m 64, 3 stages; the float32 partials then cost 2 * 64 * d * 4 bytes per split, so the
+    split is the smallest one that keeps 80 % of the SMs busy."""
+    nk = ceil_div(d_mem, 64)
+    panels = ceil_div(d, FUSED_PANEL) * ceil_div(B, 16 if B <= 16 else 64)
+    cands = [s for s in (1, 2, 4, 8) if nk % s == 0 and (nk // s >= 4 or s == 1)]
+    if B <= 16:
+        # even spread first (busiest SM / mean), then more CTAs per SM, within 3 per SM
+        def score(s):
+            u = panels * s
+            return (u / (sms * ceil_div(u, sms)) if u <= 3 * sms else 0.0, min(ceil_div(u, sms), 3))
+        splits = max(cands, key=score)
+        return dict(block_m=16, block_k=64, stages=4, splits=splits, min_blocks=3, threads=128)
+    splits = next((s for s in cands if panels * s >= 0.8 * sms), cands[-1])
+    return dict(block_m=64, block_k=64, stages=3, splits=splits, min_blocks=2, threads=256)
+
+
+@kernel(pass_configs={"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True})
+def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, block_m: int = 16,
+                        block_k: int = 64, stages: int = 4, splits: int = 4, min_blocks: int = 2,
+                        threads: int = 128):
+    """The whole decode step in one launch. Grid (panels, splits, batch / block_m): each CTA streams a
+    (d_mem / splits) x 64 slice of both W_K and W_V through a cp.async pipeline (tensor cores, float32
+    accumulators) and, with splits > 1, writes its float32 partials P and arrives at its panel's counter.
+    The last CTA of a panel (the only one that goes on) sums the partials in split order, rounds k and v,
+    and publishes the panel's four per-row gate sums in ``S``; all panel finishers then meet at a grid barrier,
+    add the panels' sums in a fixed order (identical totals in every CTA, run to run) and do the gate,
+    convolution, y and cache update for their 64 columns. Everything a finisher needs besides the sums
+    (h, weights, the lagged cache slots) is loaded before the barrier.
+
+    Thread tx owns columns 8 * (tx % 8) .. + 8 of the panel in rows tx / 8 + i * threads / 8 (i < items), so
+    the 8 lanes of a row reduce its sums with 3 butterflies."""
+    B = T.dynamic("batch")
+    LC = T.dynamic("cache_len")
+    f32 = "float32"
+    bn = FUSED_PANEL
+    nv = bn // VEC
+    assert (block_m * nv) % threads == 0 and threads % nv == 0
+    items = block_m * nv // threads
+    rstep = threads // nv
+    nk = ceil_div(d_mem, block_k)
+    assert nk % splits == 0, "splits must divide the number of block_k tiles"
+    kper = nk // splits
+    panels = ceil_div(d, bn)
+    R = taps - 1
+    inv_d = 1.0 / d
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+    nsum = ceil_div(panels, nv)
+
+    @T.macro
+    def finish(Hx, w_h, w_v, conv_w, state, pos, Y, P, S, Ctr, KO, VO, eps, B, LC, bx, by, tx, cv, c0):
+        part = T.alloc_local((items * 4,), f32)
+        tv = T.alloc_local((4,), f32)
+        pp = T.alloc_local((2 * VEC,), f32)
+        rpl = T.alloc_local((items,), "int32")
+        xh = T.alloc_local((items * VEC,), dtype)
+        st = T.alloc_local((items * max(R, 1) * VEC,), dtype)
+        kf = T.alloc_local((items * VEC,), f32)
+        vf = T.alloc_local((items * VEC,), f32)
+        wl = T.alloc_local((VEC,), dtype)
+        wv = T.alloc_local((VEC,), dtype)
+        cw = T.alloc_local((taps * VEC,), dtype)
+        no = T.alloc_local((VEC,), dtype)
+        yo = T.alloc_local((VEC,), dtype)
+        uu = T.alloc_local((VEC,), f32)
+        if c0 < d:
+            for e in T.vectorized(VEC):
+                wl[e] = w_h[c0 + e]
+            for e in T.vectorized(VEC):
+                wv[e] = w_v[c0 + e]
+            for p in T.unroll(taps):
+                for e in T.vectorized(VEC):
+                    cw[p * VEC + e] = conv_w[p, c0 + e]
+        for i in T.unroll(items):
+            b = by * block_m + tx // nv + i * rstep
+            if b < B and c0 < d:
+                for e in T.vectorized(VEC):
+                    xh[i * VEC + e] = Hx[b, c0 + e]
+                # cache_pos >= 0 and L >= dilation * R: lag q+1 wraps at most once.
+                rpl[i] = T.truncmod(pos[b], LC)
+                for q in T.unroll(R):
+                    sl = rpl[i] - (q + 1) * dilation
+                    for e in T.vectorized(VEC):
+                        st[(i * R + q) * VEC + e] = state[b, T.if_then_else(sl < 0, sl + LC, sl), c0 + e]
+        for i in T.unroll(items):
+            for q in T.unroll(4):
+                tv[q] = T.float32(0)
+            r = tx // nv + i * rstep
+            b = by * block_m + r
+            if b < B and c0 < d:
+                if splits > 1:
+                    for e in T.unroll(VEC):
+                        kf[i * VEC + e] = T.float32(0)
+                        vf[i * VEC + e] = T.float32(0)
+                    for j in T.unroll(splits):
+                        for w in T.unroll(2):
+                            for h2 in T.unroll(2):
+                                T.call_extern("handle", "tk_ldcg_f32x4", T.address_of(pp[w * VEC + h2 * 4]),
+                                              T.address_of(P[j, w, b, c0 + h2 * 4]))
+                        for e in T.unroll(VEC):
+                            kf[i * VEC + e] += pp[e]
+                            vf[i * VEC + e] += pp[VEC + e]
+                else:
+                    for e in T.unroll(VEC):
+                        kf[i * VEC + e] = KO[r, cv * VEC + e]
+                        vf[i * VEC + e] = VO[r, cv * VEC + e]
+                for e in T.unroll(VEC):
+                    kv = T.cast(T.cast(kf[i * VEC + e], dtype), f32)
+                    vv = T.cast(T.cast(vf[i * VEC + e], dtype), f32)
+                    kf[i * VEC + e] = kv
+                    vf[i * VEC + e] = vv
+                    add_row_sums(tv, T.cast(xh[i * VEC + e], f32), kv, vv, T.cast(wl[e], f32))
+            for q in T.unroll(4):
+                part[i * 4 + q] = tv[q]
+        # The 8 lanes of a row hold its column vectors: butterflies give every lane the same sum.
+        for i in T.unroll(items):
+            for q in T.unroll(4):
+                for m in T.unroll(3):
+                    part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
+            b = by * block_m + tx // nv + i * rstep
+            if cv == 0 and b < B:
+                for q in T.vectorized(4):
+                    S[b, bx, q] = part[i * 4 + q]
+        T.sync_threads()
+        if tx == 0:
+            T.call_extern("handle", "tk_grid_wait", T.address_of(Ctr[0]), panels * T.ceildiv(B, block_m))
+        T.sync_threads()
+        # Row totals: lane cv adds panels cv, cv + 8, ... in order, then the same butterflies.
+        for i in T.unroll(items):
+            b = by * block_m + tx // nv + i * rstep
+            for q in T.unroll(4):
+                part[i * 4 + q] = T.float32(0)
+            if b < B:
+                for p in T.unroll(nsum):
+                    if p * nv + cv < panels:
+                        T.call_extern("handle", "tk_ldcg_f32x4", T.address_of(tv[0]),
+                                      T.address_of(S[b, p * nv + cv, 0]))
+                        for q in T.unroll(4):
+                            part[i * 4 + q] += tv[q]
+        for i in T.unroll(items):
+            for q in T.unroll(4):
+                for m in T.unroll(3):
+                    part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
+        for i in T.unroll(items):
+            b = by * block_m + tx // nv + i * rstep
+            if b < B and c0 < d:
+                r_h = T.rsqrt(part[i * 4] * inv_d + eps)
+                r_k = T.rsqrt(part[i * 4 + 1] * inv_d + eps)
+                sc = r_h * r_k * part[i * 4 + 2] * inv_sqrt_d
+                a = T.float32(1) / (T.float32(1) + T.exp(-sc))
+                r_v = T.rsqrt(a * a * (part[i * 4 + 3] * inv_d) + eps)
+                for e in T.unroll(VEC):
+                    no[e] = T.cast(a * vf[i * VEC + e] * T.cast(wv[e], f32) * r_v, dtype)
+                    uu[e] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
+                for q in T.unroll(R):
+                    for e in T.unroll(VEC):
+                        uu[e] += (T.cast(cw[(taps - 2 - q) * VEC + e], f32)
+                                  * T.cast(st[(i * R + q) * VEC + e], f32))
+                for e in T.unroll(VEC):
+                    vh = a * vf[i * VEC + e]
+                    yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
+                for e in T.vectorized(VEC):
+                    Y[b, c0 + e] = yo[e]
+                if R > 0:
+                    for e in T.vectorized(VEC):
+                        state[b, rpl[i], c0 + e] = no[e]
+
+
+    @T.prim_func
+    def main(
+        E: T.Tensor((B, d_mem), dtype),
+        WK: T.Tensor((d_mem, d), dtype),
+        WV: T.Tensor((d_mem, d), dtype),
+        Hx: T.Tensor((B, d), dtype),
+        w_h: T.Tensor((d,), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        state: T.Tensor((B, LC, d), dtype),
+        pos: T.Tensor((B,), "int32"),
+        Y: T.Tensor((B, d), dtype),
+        P: T.Tensor((splits, 2, B, d), f32),
+        S: T.Tensor((B, panels, 4), f32),
+        Ctr: T.Tensor((_CTR_LEN,), "int32"),
+        eps: T.float32,
+    ):
+        with T.Kernel(panels, splits, T.ceildiv(B, block_m), threads=threads, prelude=FUSED_PRELUDE) as (
+            bx,
+            bs,
+            by,
+        ):
+            A_s = T.alloc_shared((block_m, block_k), dtype)
+            K_s = T.alloc_shared((block_k, bn), dtype)
+            V_s = T.alloc_shared((block_k, bn), dtype)
+            CK = T.alloc_fragment((block_m, bn), f32)
+            CV = T.alloc_fragment((block_m, bn), f32)
+            KO = T.alloc_shared((block_m, bn), f32)
+            VO = T.alloc_shared((block_m, bn), f32)
+            flag = T.alloc_shared((1,), "int32")
+            T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            T.clear(CK)
+            T.clear(CV)
+            for kk in T.Pipelined(kper, num_stages=stages):
+                k0 = (bs * kper + kk) * block_k
+                T.copy(E[by * block_m, k0], A_s)
+                T.copy(WK[k0, bx * bn], K_s)
+                T.copy(WV[k0, bx * bn], V_s)
+                T.gemm(A_s, K_s, CK)
+                T.gemm(A_s, V_s, CV)
+            T.copy(CK, KO)
+            T.copy(CV, VO)
+            T.sync_threads()
+            cv = tx % nv
+            c0 = bx * bn + cv * VEC
+            if splits > 1:
+                for i in T.unroll(items):
+                    b = by * block_m + tx // nv + i * rstep
+                    if b < B and c0 < d:
+                        for e in T.vectorized(VEC):
+                            P[bs, 0, b, c0 + e] = KO[tx // nv + i * rstep, cv * VEC + e]
+                        for e in T.vectorized(VEC):
+                            P[bs, 1, b, c0 + e] = VO[tx // nv + i * rstep, cv * VEC + e]
+                T.sync_threads()
+                if tx == 0:
+                    flag[0] = T.call_extern("int32", "tk_arrive_last", T.address_of(Ctr[2 + by * panels + bx]),
+                                            splits)
+                T.sync_threads()
+                if flag[0] == 1:
+                    finish(Hx, w_h, w_v, conv_w, state, pos, Y, P, S, Ctr, KO, VO, eps, B, LC, bx, by, tx, cv, c0)
+            else:
+                finish(Hx, w_h, w_v, conv_w, state, pos, Y, P, S, Ctr, KO, VO, eps, B, LC, bx, by, tx, cv, c0)
+
+    return main
+
+
 def decode_roofline_bytes(B: int, d_mem: int, d: int, taps: int, elem: int = 2) -> int:
     """Bytes one decode step must move (module docstring); 2*d_mem*d*elem of them are W_K and W_V."""
     return (2 * d_mem * d + B * d_mem + 2 * B * d + B * taps * d + (2 + taps) * d) * elem + 4 * B
@@ -292,6 +571,47 @@ def init_decode_state(batch: int, d: int, conv_kernel_size: int = 4, dilation: i
             torch.zeros((batch,), dtype=torch.int32, device=device))
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(device) -> torch.Tensor:
+    """The fused kernel's per-device counter workspace (zeros; the kernel leaves it zeroed). Decode steps
+    on one device must therefore not run concurrently on two streams."""
+    ctr = _COUNTERS.get(device)
+    if ctr is None:
+        ctr = _COUNTERS[device] = torch.zeros(_CTR_LEN, dtype=torch.int32, device=device)
+    return ctr
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _waiters(B: int, d: int, cfg: dict) -> int:
+    return ceil_div(d, FUSED_PANEL) * ceil_div(B, cfg["block_m"])
+
+
+def decode_plan(B: int, d_mem: int, d: int) -> dict | None:
+    """``fused_config`` when the fused kernel may run, else None (two launches). Its panel finishers wait for
+    each other, so they must leave at least one SM free for the CTAs they wait for; ``_decode_dev`` checks this
+    again against the actual GPU (shape logic only here: it also runs under torch.compile)."""
+    cfg = fused_config(B, d_mem, d)
+    return cfg if _waiters(B, d, cfg) < _SMS and 2 + _waiters(B, d, cfg) <= _CTR_LEN else None
+
+
+def decode_scratch(B: int, d_mem: int, d: int, device, fused: bool | None = None):
+    """The float32 partials and row-sum scratch (contents irrelevant) that ``_decode_dev`` needs."""
+    if fused is None:
+        fused = decode_plan(B, d_mem, d) is not None
+    if fused:
+        splits, sums = fused_config(B, d_mem, d)["splits"], (B, ceil_div(d, FUSED_PANEL), 4)
+    else:
+        splits, sums = proj_config(B, d_mem, d)["splits"], (B, 8, 4)
+    f32 = torch.float32
+    return (torch.empty((splits, 2, B, d), dtype=f32, device=device), torch.empty(sums, dtype=f32, device=device))
+
+
 @device_op("tk_engram::decode_step", mutates_args=("conv_state", "part", "sums", "y"))
 def _decode_dev(
     e_t: torch.Tensor, h_t: torch.Tensor, conv_state: torch.Tensor, cache_pos: torch.Tensor, W_K: torch.Tensor,
@@ -300,10 +620,20 @@ def _decode_dev(
 ) -> None:
     dt = _TL_DTYPES[h_t.dtype]
     (B, d), d_mem = h_t.shape, e_t.shape[1]
+    taps = conv_w.shape[0]
+    cfg = decode_plan(B, d_mem, d)
+    if cfg is not None and _waiters(B, d, cfg) >= _sm_count(h_t.device.index or 0):
+        cfg = None  # a smaller GPU: two launches, with their own scratch
+        part, sums = decode_scratch(B, d_mem, d, h_t.device, fused=False)
+    if cfg is not None:
+        fused = decode_fused_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, taps=taps, dilation=dilation, **cfg)
+        fused(e_t, W_K, W_V, h_t, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, part, sums,
+              _counters(h_t.device), eps)
+        return
     cfg = proj_config(B, d_mem, d)
     proj = decode_proj_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, **cfg)
     proj(e_t, W_K, W_V, part)
-    step = decode_step_kernel.get(h_t.device, dtype=dt, d=d, taps=conv_w.shape[0], dilation=dilation,
+    step = decode_step_kernel.get(h_t.device, dtype=dt, d=d, taps=taps, dilation=dilation,
                                   splits=cfg["splits"], cluster=STEP_CLUSTER)
     step(h_t, part, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, sums, eps)
 
@@ -356,8 +686,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     y = torch.empty((B, d), dtype=h_t.dtype, device=h_t.device)
     if B == 0:
         return y
-    part = torch.empty((proj_config(B, d_mem, d)["splits"], 2, B, d), dtype=torch.float32, device=h_t.device)
-    sums = torch.empty((B, 8, 4), dtype=torch.float32, device=h_t.device)
+    part, sums = decode_scratch(B, d_mem, d, h_t.device)
     _decode_dev(_aligned(e_t), _aligned(h_t), conv_state, _aligned(cache_pos), _aligned(W_K), _aligned(W_V),
                 _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w), part, sums, y, dilation, float(eps))
     return y

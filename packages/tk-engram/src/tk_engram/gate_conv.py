@@ -54,8 +54,16 @@ from ._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dcon
 CHUNK = 64  # chain tokens per CTA in the backward
 # Forward: 32 tokens x 2 vectors per thread gives 256 CTAs of 256/448 threads at 8192 tokens, 2 per SM. The
 # per-token work is a serial chain (loads, two-level reduction, barrier): halving each thread's share of it
-# beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs).
+# beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs). A cp.async ring
+# with the next 1-3 tokens' rows in flight measured no better (0.60 against 0.56 of copy at d=4096, 0.48-0.55
+# against 0.59 at d=7168): the per-token instruction count, not latency, bounds it.
 FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
+# Backward main kernel by row width (key: ``fuse_dconv(d)``): 1 vector per thread (512 / 896 threads, 1 CTA per
+# SM: the rings fill shared memory), stage A's rows one iteration ahead, the weights loaded where each stage uses
+# them (hoisting them spills on sm_100a at d=4096).
+BWD_PARAMS = {True: dict(vecs=1, hoist_w=False, ahead=True), False: dict(vecs=1, hoist_w=False, ahead=True)}
+# dconv kernel (d > 4096): 128 tokens x 128 threads at 4 CTAs/SM is one wave at d=7168, 8192 tokens.
+DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,8 +85,8 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return vector_aligned(x.contiguous())
 
 
-def _num_parts(M: int, T: int, dilation: int) -> int:
-    return M * dilation * (-(-T // (dilation * CHUNK)))
+def _num_parts(M: int, T: int, dilation: int, chunk: int = CHUNK) -> int:
+    return M * dilation * (-(-T // (dilation * chunk)))
 
 
 def _check_params(op: str, taps: int, dilation: int, eps: float) -> None:
@@ -174,12 +182,12 @@ def _gate_conv_bwd_dev(
 ) -> None:
     d, taps = H.shape[2], conv_w.shape[0]
     fused = fuse_dconv(d)
-    params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation, chunk=CHUNK)
-    gate_conv_bwd_kernel.get(H.device, with_dconv=fused, **params)(
+    params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation)
+    gate_conv_bwd_kernel.get(H.device, chunk=CHUNK, with_dconv=fused, **BWD_PARAMS[fused], **params)(
         dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dH, dk, dv, part
     )
     if not fused:
-        gate_conv_dconv_kernel.get(H.device, **params)(dY, v, rms_w_v, conv_w, alpha, rrms_v, dpart)
+        gate_conv_dconv_kernel.get(H.device, **DCONV_PARAMS, **params)(dY, v, rms_w_v, conv_w, alpha, rrms_v, dpart)
 
 
 def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, *,
@@ -214,7 +222,8 @@ def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, r
     nparts = _num_parts(M, T, dilation)
     fused = fuse_dconv(d)
     part = torch.empty((nparts, 2 + taps if fused else 2, d), dtype=torch.float32, device=dev)
-    dpart = torch.empty((nparts, taps, d) if not fused else (1, 1, 1), dtype=torch.float32, device=dev)
+    dparts = _num_parts(M, T, dilation, DCONV_PARAMS["chunk"])
+    dpart = torch.empty((dparts, taps, d) if not fused else (1, 1, 1), dtype=torch.float32, device=dev)
     a = [_aligned(x) for x in (dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v)]
     _gate_conv_bwd_dev(*a, dH, dk, dv, part, dpart, dilation)
     sums = part.sum(0)

@@ -29,12 +29,14 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``bm_out <= 128``.
 
 Kernel: 256 threads; each thread turns one 16-byte fp4 vector (32 values of one row) into 32 e4m3
-bytes per pass, with integer/bit arithmetic plus the exact hardware fp32->e4m3 conversion; the block
-maximum of exponents is reduced with warp shuffles, alone for ``bm_out == 1`` (one warp per 1024-column
-row segment: no shared memory, no barrier), else followed by shared-memory atomics. A persistent grid
-(SMs x 4 CTAs) walks the tiles and prefetches the next tile (data and raw input scales) into registers
-while the current one is converted and stored. The token count and the input SF strides are runtime
-arguments.
+bytes per pass, for P consecutive rows: an 8-entry byte LUT per row (the exact hardware fp32->e4m3
+conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from the LUT, sign bit moved
+into place), about 4.5 SASS per value. The block maximum of exponents is taken in-thread over the rows, then
+with warp shuffles (``bm_out == 1``: one warp per 1024-column row segment; 32 x 32 at P = 4: a warp holds
+whole blocks), and through shared memory (one partial per warp, one barrier per tile) only for blocks taller
+than a warp's rows. A persistent grid (SMs x 4 CTAs) walks the tiles and prefetches the next tile (data
+and raw input scales) into the other register buffer while the current one is converted and stored. Index
+math is int32 per tile. The token count and the input SF strides are runtime arguments.
 """
 
 import tilelang.language as T
@@ -53,26 +55,55 @@ THREADS = 256
 SEG = 32  # logical fp4 values per thread per pass (16 bytes)
 
 
-PASSES = 2  # row passes per thread at least; with the prefetch buffer, 64 B of fp4 loads per thread in flight
+# Consecutive rows per thread (at least; raised for a block row per tile). 2 for every block shape: on the H200, 4
+# rows for the 2-D blocks (a warp then holds 32 rows x 128 columns; 32 x 32 needs no shared memory) measured
+# 2,179 / 2,173 GB/s at 32 x 32 / 128 x 128 against 2,624 / 2,594 with 2.
+PASSES = 2
 DEFAULT_SMS = 132  # H200; the device op passes the SM count of the tensor's device
-MIN_BLOCKS = 4  # CTAs per SM: both tile buffers fit 64 registers (58-64 on sm_90a and sm_100a, no spills)
+MIN_BLOCKS = 4  # CTAs per SM: both tile buffers fit 64 registers (1 x 128 at 2 rows: 55; 2-D at 4 rows: 64)
 
 
-def _tile(bm_out: int, bk_out: int, passes: int = PASSES) -> tuple[int, int, int, int]:
-    """(BK, TPR, RPP, P). ``bm_out == 1``: one warp per row (BK = 1024), so the output scales a CTA writes
-    for one row are a contiguous run (a full sector for row-major fp32 1 x 128 scales, not one scattered
-    word per row), and no 128-row floor (the block max stays inside a warp)."""
-    if bm_out == 1:
-        BK = 32 * SEG
-        return BK, 32, THREADS // 32, passes
-    BK = max(bk_out, 128)
+def default_min_blocks(rows: int, bm_out: int) -> int:
+    """CTAs per SM for ``rows`` rows per thread (the effective passes, ``_tile(...)[2]``): both tile buffers
+    in the registers without spills (sm_90a: 1 x 128 at 4 rows needs 76 registers, 2-D blocks 64)."""
+    if rows <= 2 or (rows <= 4 and bm_out > 1):
+        return MIN_BLOCKS
+    return 3 if rows <= 4 else 1
+
+
+def _tile(bm_out: int, bk_out: int, passes: int = PASSES) -> tuple[int, int, int]:
+    """(BK, TPR, P): BK columns per tile, TPR threads per row (32 columns each), P consecutive rows per thread.
+    ``bm_out == 1``: one warp per row (BK = 1024), so the output scales a warp writes for one row are a
+    contiguous run. A tile holds whole output block rows."""
+    BK = 32 * SEG if bm_out == 1 else max(bk_out, 128)
     TPR = BK // SEG
-    RPP = THREADS // TPR
-    P = max(passes, 128 // RPP, bm_out // RPP)
-    return BK, TPR, RPP, P
+    return BK, TPR, max(passes, bm_out * TPR // THREADS)
 
 
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
+
+# Device helpers (exact; bit-identical to a per-value ``(float8_e4m3fn)(code * scale)`` plus the sign bit):
+# - tk_e4m3x4: the 4 e4m3 bytes of 4 floats, two hardware RN/satfinite conversions (F2FP pairs);
+# - tk_fp4x4_lo/hi: the e4m3 bytes of the fp4 codes in nibbles 0-3 / 4-7 of a word. The magnitude byte comes
+#   from the 8-entry LUT (l0, l1) by a byte permute on the codes & 7; the sign (bit 3 of each nibble) lands in
+#   bit 7 of each byte by a second byte permute of v and v << 4 (odd nibbles: bit 7 of a byte of v; even
+#   nibbles: bit 7 of a byte of v << 4), masked into the LUT byte by one LOP3. About 10 SASS per 8 values.
+_PRELUDE = r"""
+__device__ __forceinline__ unsigned tk_e4m3x4(float a, float b, float c, float d) {
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(b), "f"(a));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(d), "f"(c));
+  return (unsigned)lo | ((unsigned)hi << 16);
+}
+__device__ __forceinline__ unsigned tk_fp4x4_lo(int w, unsigned l0, unsigned l1) {
+  unsigned v = (unsigned)w;
+  return __byte_perm(l0, l1, v & 0x7777u) | (__byte_perm(v, v << 4, 0x1504u) & 0x80808080u);
+}
+__device__ __forceinline__ unsigned tk_fp4x4_hi(int w, unsigned l0, unsigned l1) {
+  unsigned v = (unsigned)w;
+  return __byte_perm(l0, l1, (v >> 16) & 0x7777u) | (__byte_perm(v, v << 4, 0x3726u) & 0x80808080u);
+}
+"""
 
 
 # The bounds of every access are already guarded by the row/column tests: the legalizer's extra checks would
@@ -86,52 +117,129 @@ def per_block_cast_lossless_kernel(
     bm_out: int,
     bk_out: int,
     layout: str,
-    passes: int = PASSES,
+    passes: int = 0,
     min_blocks: int = 0,
     ctas: int = 0,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
-    ``passes``: row passes per thread (a power of two; raised to cover 128 rows and one block row for
-    ``bm_out > 1``).
+    ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
+    holds a whole output block row).
 
     Persistent: at most ``ctas`` CTAs (0: ``DEFAULT_SMS`` x ``min_blocks``; ``min_blocks`` 0:
-    ``MIN_BLOCKS``) loop over the tiles, and each loads its next tile (data and raw input scales) into a
-    second register buffer before it converts and stores the current one, so loads stay in flight across
-    the conversion, the barriers and the stores."""
-    min_blocks = min_blocks or MIN_BLOCKS
+    ``default_min_blocks``) loop over the tiles, and each loads its next tile (data and raw input scales) into
+    the other of two register buffers (the loop is unrolled by two: no copies between them) before it converts
+    and stores the current one, so loads stay in flight across the conversion and the stores.
+
+    Block maximum: in-thread over a thread's rows, then xor-shuffles over the lanes of the block; only blocks
+    taller than a warp's rows (128 x bk) go through shared memory: one partial per warp (double-buffered by
+    tile parity), one barrier per tile."""
+    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES)
+    min_blocks = min_blocks or default_min_blocks(P, bm_out)
     ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
     sf_in_len = T.dynamic("sf_in_len")
     sf_len = T.dynamic("sf_len")
-    BK, TPR, RPP, P = _tile(bm_out, bk_out, passes)
-    BM = RPP * P
-    NBR = BM // bm_out  # output block rows per tile
+    WR = 32 // TPR * P  # rows per warp
+    BM = THREADS // 32 * WR
     NBC = BK // bk_out  # output block columns per tile
+    G = max(P // bm_out, 1)  # block maxima per thread (one per group of bm_out rows)
+    WPB = max(bm_out // WR, 1)  # warps per block (> 1: shared memory)
+    NBR = BM // (WR * WPB)  # block rows (of warps) per tile
     NXT = ceil_div(hidden, BK)  # column tiles
     nk = ceil_div(hidden, bk_out)
     in_dtype = "uint8" if in_kind == "packed" else "int32"
     sf_dtype = "uint8" if layout == "packed" else "float32"
-    rows_per_warp = 32 // TPR
-    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // SEG and (1 << i) < TPR]
-    offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and (1 << i) < bm_out]
+    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // SEG]
+    offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and (P << i) < bm_out]
 
     @T.macro
-    def load(x, sf_in, s0, s1, xb, sw, tile, tx):
+    def load(x, sf_in, s0, s1, xb, sw, lr, lc, tile, tx):
         """Data and raw input scale words of ``tile`` (zeros outside the tensor: exponent 0, admissible)."""
-        col = T.truncmod(tile, NXT) * BK + (tx % TPR) * SEG
+        # int32 row and column (in 32-value units: the vector accesses stay provably aligned); as expressions
+        # they are widened to int64 (64-bit div/mod by NXT)
+        lc[0] = T.truncmod(tile, NXT) * TPR + tx % TPR
+        lr[0] = T.truncdiv(tile, NXT) * BM + (tx // TPR) * P
         for p in T.unroll(P):
-            row = T.truncdiv(tile, NXT) * BM + p * RPP + tx // TPR
-            if row < num_tokens and col < hidden:
+            row = lr[0] + p
+            if row < num_tokens and lc[0] < hidden // SEG:
                 for v in T.vectorized(SEG // 8):
-                    xb[p, v] = x[row, col // 8 + v]
+                    xb[p, v] = x[row, lc[0] * (SEG // 8) + v]
                 if in_kind == "packed":
                     m_in = row // bm_in
-                    k_in = col // bk_in
+                    k_in = lc[0] // (bk_in // SEG)
                     sw[p] = T.cast(sf_in[4 * (m_in * s0 + (k_in // 4) * s1) + k_in % 4], "int32")
                 else:
-                    sw[p] = sf_in[(row // bm_in) * s0 + (col // bk_in) * s1]
+                    sw[p] = sf_in[(row // bm_in) * s0 + (lc[0] // (bk_in // SEG)) * s1]
             else:
                 sw[p] = 0
+
+    @T.macro
+    def convert(out, sf, err, part, xin, sw, lr, lc, par, tx, nm):
+        """Block maxima, output scales and e4m3 bytes of the tile held in ``xin``/``sw``."""
+        ex = T.alloc_local((P,), "int32")
+        bad = T.alloc_local((P,), "int32")
+        em = T.alloc_local((G,), "int32")
+        ow = T.alloc_local((SEG // 4,), "uint32")
+        lut = T.alloc_local((2,), "uint32")
+        scl = T.alloc_local((1,), "float32")
+        cb = (tx % TPR) * SEG // bk_out  # output block column inside the tile
+        for p in T.unroll(P):
+            if in_kind == "packed":
+                ex[p] = sw[p]
+                bad[p] = T.if_then_else(ex[p] == 255, 1, 0)
+            else:
+                ex[p] = T.bitwise_and(T.shift_right(sw[p], 23), 0xFF)
+                bad[p] = T.if_then_else(T.bitwise_and(sw[p], T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
+        for g in T.unroll(G):
+            em[g] = ex[g * (P // G)]
+            for q in range(1, P // G):
+                em[g] = T.max(em[g], ex[g * (P // G) + q])
+            for off in offsets:
+                em[g] = T.max(em[g], T.shfl_xor(em[g], off))
+        if WPB > 1:
+            # one partial per warp and block column; buffers alternate by tile parity, so a fast warp writing
+            # the next tile's partials never overwrites ones a slow warp still reads
+            w = tx // 32
+            if (tx % 32) % TPR % (bk_out // SEG) == 0 and (tx % 32) < TPR:
+                part[((par * NBR + w // WPB) * NBC + cb) * WPB + w % WPB] = em[0]
+            T.sync_threads()
+            for q in T.unroll(WPB):
+                em[0] = T.max(em[0], part[((par * NBR + w // WPB) * NBC + cb) * WPB + q])
+        for p in T.unroll(P):
+            row = lr[0] + p
+            e_out = T.max(em[p // (P // G)] - 6, 1)
+            if row < num_tokens and lc[0] < hidden // SEG:
+                d = ex[p] - e_out
+                if bad[p] != 0 or (ex[p] != 0 and d < -8):
+                    T.atomic_add(err[0], 1)
+                scl[0] = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
+                s = scl[0]
+                lut[0] = T.call_extern("uint32", "tk_e4m3x4", T.float32(0), T.float32(_FP4[1]) * s, s, T.float32(_FP4[3]) * s)
+                lut[1] = T.call_extern("uint32", "tk_e4m3x4", T.float32(_FP4[4]) * s, T.float32(_FP4[5]) * s,
+                                       T.float32(_FP4[6]) * s, T.float32(_FP4[7]) * s)
+                for i in T.unroll(SEG // 8):
+                    ow[2 * i] = T.call_extern("uint32", "tk_fp4x4_lo", xin[p, i], lut[0], lut[1])
+                    ow[2 * i + 1] = T.call_extern("uint32", "tk_fp4x4_hi", xin[p, i], lut[0], lut[1])
+                for j in T.vectorized(SEG // 4):
+                    out[row, lc[0] * (SEG // 4) + j] = ow[j]
+                if row % bm_out == 0 and lc[0] % (bk_out // SEG) == 0:
+                    m = row // bm_out
+                    k = lc[0] // (bk_out // SEG)
+                    if layout == "packed":
+                        sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.cast(e_out, "uint8")
+                        if k == nk - 1:
+                            for z in T.serial(align(nk, 4) - nk):
+                                sf[_tl.sf_offset(layout, m, nk + z, nm, nk)] = T.uint8(0)
+                    else:
+                        sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
+
+    @T.macro
+    def step(x, sf_in, s0, s1, out, sf, err, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm, par):
+        """Tile ``it``: load tile ``it + 1`` into the other buffer, then convert this one."""
+        if it < niter:
+            if it + 1 < niter:
+                load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + 1) * nctas, tx)
+            convert(out, sf, err, part, xc, swc, rc, cc, par, tx, nm)
 
     @T.prim_func
     def main(
@@ -145,114 +253,27 @@ def per_block_cast_lossless_kernel(
     ):
         ntiles = NXT * T.ceildiv(num_tokens, BM)
         nctas = T.min(ntiles, ctas)
-        with T.Kernel(nctas, threads=THREADS) as bid:
+        with T.Kernel(nctas, threads=THREADS, prelude=_PRELUDE) as bid:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            xin = T.alloc_local((P, SEG // 8), "int32")
-            xn = T.alloc_local((P, SEG // 8), "int32")
-            sw = T.alloc_local((P,), "int32")
-            swn = T.alloc_local((P,), "int32")
-            ow = T.alloc_local((SEG // 4,), "uint32")
-            ex = T.alloc_local((P,), "int32")
-            bad = T.alloc_local((P,), "int32")
-            mx = T.alloc_local((1,), "int32")
-            em = T.alloc_local((P,), "int32")
-            red = T.alloc_shared((NBR * NBC,), "int32")
+            xa = T.alloc_local((P, SEG // 8), "int32")
+            xb = T.alloc_local((P, SEG // 8), "int32")
+            swa = T.alloc_local((P,), "int32")
+            swb = T.alloc_local((P,), "int32")
+            ra = T.alloc_local((1,), "int32")
+            ca = T.alloc_local((1,), "int32")
+            rb = T.alloc_local((1,), "int32")
+            cbb = T.alloc_local((1,), "int32")
+            part = T.alloc_shared((2 * NBR * NBC * WPB,), "int32")
             nm = T.ceildiv(num_tokens, bm_out)
-            cb = (tx % TPR) * SEG // bk_out  # output block column inside the tile
             niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
 
-            load(x, sf_in, s0, s1, xin, sw, bid, tx)
-            for it in T.serial(niter):
-                tile = bid + it * nctas
-                bx = T.truncmod(tile, NXT)
-                by = T.truncdiv(tile, NXT)
-                col = bx * BK + (tx % TPR) * SEG
-                if it + 1 < niter:
-                    load(x, sf_in, s0, s1, xn, swn, tile + nctas, tx)
-                if bm_out > 1:
-                    for i in T.unroll(ceil_div(NBR * NBC, THREADS)):
-                        if i * THREADS + tx < NBR * NBC:
-                            red[i * THREADS + tx] = 0
-                for p in T.unroll(P):
-                    if in_kind == "packed":
-                        ex[p] = sw[p]
-                        bad[p] = T.if_then_else(ex[p] == 255, 1, 0)
-                    else:
-                        ex[p] = T.bitwise_and(T.shift_right(sw[p], 23), 0xFF)
-                        bad[p] = T.if_then_else(T.bitwise_and(sw[p], T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
-                if bm_out == 1:
-                    # A 1 x bk_out block lies in consecutive lanes of one warp: the butterfly gives every lane the
-                    # block maximum, with no shared memory and no barrier.
-                    for p in T.unroll(P):
-                        em[p] = ex[p]
-                        for off in offsets:
-                            em[p] = T.max(em[p], T.shfl_xor(em[p], off))
-                else:
-                    T.sync_threads()
-                    for p in T.unroll(P):
-                        mx[0] = ex[p]
-                        for off in offsets:
-                            mx[0] = T.max(mx[0], T.shfl_xor(mx[0], off))
-                        if (tx % 32) % TPR % (bk_out // SEG) == 0 and (tx % 32) // TPR % T.min(bm_out, rows_per_warp) == 0:
-                            T.atomic_max(red[((p * RPP + tx // TPR) // bm_out) * NBC + cb], mx[0])
-                    T.sync_threads()
-                for p in T.unroll(P):
-                    row = by * BM + p * RPP + tx // TPR
-                    blk = em[p] if bm_out == 1 else red[((p * RPP + tx // TPR) // bm_out) * NBC + cb]
-                    e_out = T.max(blk - 6, 1)
-                    if row < num_tokens and col < hidden:
-                        d = ex[p] - e_out
-                        if ex[p] != 0 and d < -8:
-                            bad[p] = 1
-                        if bad[p] != 0:
-                            T.atomic_add(err[0], 1)
-                        scale = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
-                        # 8-entry LUT (magnitude code -> e4m3 byte at this scale) in two words for __byte_perm
-                        lut = T.alloc_local((2,), "uint32")
-                        lut[0] = T.uint32(0)
-                        lut[1] = T.uint32(0)
-                        for c in list(range(1, 8)):
-                            lut[c // 4] = T.bitwise_or(
-                                lut[c // 4],
-                                T.shift_left(
-                                    T.cast(T.reinterpret(T.cast(T.float32(_FP4[c]) * scale, "float8_e4m3fn"), "uint8"), "uint32"),
-                                    (c % 4) * 8,
-                                ),
-                            )
-                        for i in T.unroll(SEG // 8):
-                            for h in T.unroll(2):
-                                w = T.bitwise_and(T.shift_right(xin[p, i], 16 * h), 0xFFFF)
-                                sg = T.bitwise_and(w, 0x8888)
-                                y = T.bitwise_or(T.bitwise_and(sg, 0x88), T.shift_left(T.bitwise_and(sg, 0x8800), 8))
-                                ow[2 * i + h] = T.bitwise_or(
-                                    T.call_extern("uint32", "__byte_perm", lut[0], lut[1], T.cast(T.bitwise_and(w, 0x7777), "uint32")),
-                                    T.cast(
-                                        T.bitwise_or(
-                                            T.shift_left(T.bitwise_and(y, 0x080008), 4), T.shift_left(T.bitwise_and(y, 0x800080), 8)
-                                        ),
-                                        "uint32",
-                                    ),
-                                )
-                        for j in T.vectorized(SEG // 4):
-                            out[row, col // 4 + j] = ow[j]
-                        if row % bm_out == 0 and col % bk_out == 0:
-                            m = row // bm_out
-                            k = col // bk_out
-                            if layout == "packed":
-                                sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.cast(e_out, "uint8")
-                                if k == nk - 1:
-                                    for z in T.serial(align(nk, 4) - nk):
-                                        sf[_tl.sf_offset(layout, m, nk + z, nm, nk)] = T.uint8(0)
-                            else:
-                                sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
-                if bm_out > 1:
-                    T.sync_threads()  # every block maximum of this tile is read before the next tile clears them
-                for p in T.unroll(P):
-                    sw[p] = swn[p]
-                    for v in T.vectorized(SEG // 8):
-                        xin[p, v] = xn[p, v]
+            load(x, sf_in, s0, s1, xa, swa, ra, ca, bid, tx)
+            for it2 in T.serial(T.truncdiv(niter + 1, 2)):
+                # two tiles per step, one per buffer
+                step(x, sf_in, s0, s1, out, sf, err, part, xa, swa, ra, ca, xb, swb, rb, cbb, it2 * 2, niter, nctas, bid, tx, nm, 0)
+                step(x, sf_in, s0, s1, out, sf, err, part, xb, swb, rb, cbb, xa, swa, ra, ca, it2 * 2 + 1, niter, nctas, bid, tx, nm, 1)
 
     return main
 
@@ -276,9 +297,10 @@ def per_block_cast_lossless_(
     layout: str,
 ) -> None:
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
+    mb = default_min_blocks(_tile(bm_out, bk_out, PASSES)[2], bm_out)
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
-        min_blocks=MIN_BLOCKS, ctas=torch.cuda.get_device_properties(data.device).multi_processor_count * MIN_BLOCKS,
+        passes=PASSES, min_blocks=mb, ctas=torch.cuda.get_device_properties(data.device).multi_processor_count * mb,
     )
     k(data.view(torch.int32), sf_in_flat, out.view(torch.uint32), sf_flat, error_count, s0, s1)
 

@@ -100,6 +100,24 @@ def _swiglu(g, u, clamp_on: bool, c):
     return T.if_then_else(cg, c, g), T.if_then_else(cu, T.copysign(c, u), u), cg, cu
 
 
+def _pow2(k):
+    """``_tl.pow2(k)`` bit for bit, branch-free (nvcc turned the nested selects into branches): ``2**a * 2**b``
+    with ``a`` and ``b = k - a`` clamped to the normal exponents rounds like ``2**k`` itself (exact down to
+    ``2**-149``, 0 from ``2**-150`` on by ties-to-even, inf from ``2**128`` on)."""
+    a = T.max(T.min(k, 127), -126)
+    b = T.max(T.min(k - a, 127), -126)
+    return T.reinterpret(T.shift_left(a + 127, 23), "float32") * T.reinterpret(T.shift_left(b + 127, 23), "float32")
+
+
+def _scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool):
+    """``_tl.scale_rule`` with the branch-free ``_pow2``."""
+    if not round_sf:
+        return _tl.scale_rule(amax, clamp_min, fmt_max, round_sf)
+    s0 = T.max(amax, clamp_min) / T.float32(fmt_max)
+    k = T.shift_right(T.reinterpret(s0, "int32") - 1, 23) - 126
+    return _pow2(k), _pow2(-k)
+
+
 def _sf_value(layout: str, s):
     """The stored form of scale ``s``: the UE8M0 byte for packed, else the float."""
     return _tl.ue8m0_byte(s) if layout == "packed" else s
@@ -107,17 +125,71 @@ def _sf_value(layout: str, s):
 
 # --- forward + per-token cast ---------------------------------------------------------------------
 
+# The fast path of ``div.rn.f32`` as nvcc emits it (MUFU.RCP, one Newton step, quotient, exact remainder, one
+# correction), without its per-division range check (FCHK) and slow-path call (CALL, BSSY/BSYNC, and the constants
+# nvcc re-materializes around the call): about 6 of the ~30 instructions of an element. The caller only takes it
+# for a chunk whose ``g`` all lie in ``[2**-64, 64]`` in magnitude, where ``t = 1 + exp(-g)`` is in ``[1, 2**93)``
+# and every intermediate (``1/t``, ``g * r``, the remainder, ``g / t`` >= 2**-65) is far from the subnormal and
+# overflow ends that FCHK screens for: there ``div.rn`` returns this very sequence, so the result is its IEEE
+# quotient bit for bit. (Emulated exactly on the CPU with ``r0 = RN(1/t)``: equal to ``RN(g / t)`` for every bf16
+# ``g`` in the range and ``t`` within an ulp of ``1 + exp(-g)``.)
+_DIV_FAST = r"""
+__device__ __forceinline__ float tk_div_fast(float a, float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+  float q = __fmaf_rn(a, r, 0.0f);
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+}
+"""
+# Clamp counting on bf16 pairs (the loaded words, before widening): per pair, ``set.gt`` gives 1.0 or 0.0 in each
+# half and ``add`` accumulates (counts <= 256 per half are exact in bf16): ~3 instructions per element for the three
+# counts, against ~7 for predicate selects and integer adds. For bf16 ``x`` and ``c > 0``, ``x > c`` equals
+# ``x > c'`` with ``c'`` = ``c`` truncated to bf16 (no bf16 lies in ``(c', c]``); NaN compares false in both.
+# ``acc`` holds ``#{g > c}``, ``#{u > c}``, ``#{|u| > c}`` (``#{u < -c}`` is the difference of the last two).
+_CLAMP_COUNT = r"""
+__device__ __forceinline__ unsigned tk_count_gt_bf16x2(unsigned acc, unsigned x, unsigned c) {
+  unsigned m;
+  asm("set.gt.bf16x2.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(x), "r"(c));
+  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(acc) : "r"(acc), "r"(m));
+  return acc;
+}
+__device__ __forceinline__ void tk_clamp_count2(unsigned* acc, const void* g, const void* u, unsigned c2) {
+  const unsigned gw = *reinterpret_cast<const unsigned*>(g), uw = *reinterpret_cast<const unsigned*>(u);
+  acc[0] = tk_count_gt_bf16x2(acc[0], gw, c2);
+  acc[1] = tk_count_gt_bf16x2(acc[1], uw, c2);
+  acc[2] = tk_count_gt_bf16x2(acc[2], uw & 0x7fff7fffu, c2);
+}
+"""
+
+# |g| in [2**-64, 64] (zeros, larger |g|, inf and NaN take IEEE division), tested on the float bits as
+# ``2 * bits - 2 * LO <= 2 * (HI - LO)`` in uint32 (doubling drops the sign bit): two instructions per element
+FAST_DIV_LO = (127 - 64) << 23
+FAST_DIV_HI = (127 + 6) << 23
+
+
+def _act(g, u, w, weighted: bool, fast: bool):
+    """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``."""
+    t = T.float32(1) + T.exp(-g)
+    a = (T.call_extern("float32", "tk_div_fast", g, t) if fast else g / t) * u
+    return a * w if weighted else a
+
 
 def fwd_token_chunks(hidden: int, in_dtype: str = "bfloat16") -> int:
-    """256-column chunks per warp of the forward per-token kernel: the most (up to 8, 4 for float32 inputs:
-    the same register budget) that tile ``H`` exactly.
-    The kernel is issue-bound at 2 chunks (2,879 GB/s on the H200 anchor, ~30% of each warp's instructions
-    being per-warp setup, index math and scales); 7 chunks (H = 3584 or 7168) spread that over 3.5x the
-    elements at 80 registers (6 CTAs of 4 warps per SM, ~170 KB of loads in flight per SM)."""
+    """256-column chunks per warp of the forward per-token kernel: 2 when they tile ``H`` exactly, else 1.
+    Measured on the H200 anchor (H = 3584): 2 chunks at 10 CTAs per SM (48 registers) beat 7 chunks at 5 CTAs
+    (94 registers) by 6-18 %: more warps hide the latency of each warp's load-math-store chain better than
+    fewer warps with more elements each amortise their setup. The launcher also pairs the scale rules of the 2
+    chunks (``pair_scales``, another 4-5 %)."""
     if hidden % 256:
         return U
-    n = hidden // 256
-    return max(c for c in range(1, 9 if in_dtype == "bfloat16" else 5) if n % c == 0)
+    return 2 if (hidden // 256) % 2 == 0 else 1
+
+
+def fwd_token_min_blocks(in_dtype: str) -> int:
+    """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows;
+    float32 rows hold twice the loaded registers and keep ptxas's own choice."""
+    return 10 if in_dtype == "bfloat16" else 1
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
@@ -131,6 +203,9 @@ def swiglu_fwd_token_kernel(
     warps: int = 4,
     chunks: int = U,
     pair_scales: bool = False,
+    fast_div: bool = True,
+    weighted: bool = True,
+    min_blocks: int = 1,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -138,7 +213,10 @@ def swiglu_fwd_token_kernel(
     so only the loaded inputs of the later chunks stay live. ``pair_scales``: chunks ``2p`` and ``2p+1`` are
     finished together and their scale rules (~35 instructions, an IEEE division among them) run once: the lanes
     with bit ``b = lanes_per_group / 2`` set evaluate chunk ``2p+1``'s, the others chunk ``2p``'s, and one xor
-    shuffle by ``b`` (within the group) hands each lane the other one."""
+    shuffle by ``b`` (within the group) hands each lane the other one. ``fast_div``: ``tk_div_fast`` for the
+    chunks whose gates allow it (see ``_DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
+    multiplication by 1. ``min_blocks``: CTAs per SM the registers must allow. Clamp counts: ``_CLAMP_COUNT`` for
+    bf16 inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -161,6 +239,8 @@ def swiglu_fwd_token_kernel(
     wpr = iters if split else 1  # warps per row
     pair = pair_scales and split
     b = group // VEC // 2  # partner-lane bit within a group
+    packed_cnt = count and split and in_dtype == "bfloat16"  # at most 64 elements per lane: bf16-exact counts
+    prelude = ((_DIV_FAST if fast_div else "") + (_CLAMP_COUNT if packed_cnt else "")) or None
 
     def in_range(col):
         return col < H if tail else True
@@ -185,11 +265,16 @@ def swiglu_fwd_token_kernel(
         has_pe: T.int32,
         wmode: T.int32,
     ):
-        with T.Kernel(T.ceildiv(E * wpr, warps), threads=warps * 32) as bx:
+        with T.Kernel(T.ceildiv(E * wpr, warps), threads=warps * 32, prelude=prelude) as bx:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
-            row = row_of(bx * warps + tx // 32)
-            it0 = span_of(bx * warps + tx // 32)  # this warp's first span: it0 + j, j < spans
+            ri = T.alloc_local((2,), "int32")  # int32 (row, first span): buffer indices are widened to int64,
+            ri[0] = row_of(bx * warps + tx // 32)  # which made this division a 64-bit one in every index
+            ri[1] = span_of(bx * warps + tx // 32)
+            row = ri[0]
+            it0 = ri[1]  # this warp's first span: it0 + j, j < spans
             xg = T.alloc_local((UC, VEC), in_dtype)
             xu = T.alloc_local((UC, VEC), in_dtype)
             v = T.alloc_local((UC, VEC), "float32")
@@ -201,6 +286,11 @@ def swiglu_fwd_token_kernel(
             red = T.alloc_shared((warps, 4), "int32")
             sp = T.alloc_local((3,), "float32")  # pair: own sf, own sf_inv, the partner's sf_inv
             sq = T.alloc_local((2,), "float32")  # pair: the two chunks' sf_inv
+            gs = T.alloc_local((VEC,), "float32")  # fast_div: the chunk's clamped g and u
+            us = T.alloc_local((VEC,), "float32")
+            dm = T.alloc_local((1,), "uint32")
+            cb = T.alloc_local((3,), "uint32")  # packed_cnt: bf16x2 counts
+            c2 = T.alloc_local((1,), "uint32")
             for i in T.unroll(4):
                 cnt[i] = 0
             st[0] = 0
@@ -220,6 +310,10 @@ def swiglu_fwd_token_kernel(
                 elif wmode == 2:
                     wv[0] = weights[row]
                 cnt[3] = T.if_then_else(lane + it0 == 0, 1, 0)  # the row's first warp, lane 0
+                if packed_cnt:
+                    c2[0] = T.shift_right(T.reinterpret(clamp, "uint32"), 16) * T.uint32(0x10001)
+                    for k in T.unroll(3):
+                        cb[k] = T.uint32(0)
                 rm[0] = T.float32(0)
                 for ph in T.serial(2 if row_mode else 1):
                     for j in T.serial(iters // wpr):
@@ -236,19 +330,47 @@ def swiglu_fwd_token_kernel(
                                     xg[c, i] = T.cast(0, in_dtype)
                                 for i in T.vectorized(VEC):
                                     xu[c, i] = T.cast(0, in_dtype)
+                        if packed_cnt:
+                            for c in T.unroll(UC):
+                                for k in T.unroll(VEC // 2):
+                                    T.evaluate(
+                                        T.call_extern(
+                                            "handle",
+                                            "tk_clamp_count2",
+                                            T.address_of(cb[0]),
+                                            T.address_of(xg[c, 2 * k]),
+                                            T.address_of(xu[c, 2 * k]),
+                                            c2[0],
+                                        )
+                                    )
                         for c in T.unroll(UC, explicit=True):  # the pairing below needs constant c
                             col = it * span + c * (32 * VEC) + lane * VEC
                             am[c] = T.float32(0)
+                            dm[0] = T.uint32(0)
                             for i in T.unroll(VEC):
                                 g0 = T.cast(xg[c, i], "float32")
                                 u0 = T.cast(xu[c, i], "float32")
-                                if count:
+                                g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
+                                if count and not packed_cnt:
                                     if ph == 0:
-                                        cnt[0] += T.if_then_else(g0 > clamp, 1, 0)
+                                        cnt[0] += T.if_then_else(cg, 1, 0)
                                         cnt[1] += T.if_then_else(u0 > clamp, 1, 0)
-                                        cnt[2] += T.if_then_else(u0 < -clamp, 1, 0)
-                                g1, u1, _, _ = _swiglu(g0, u0, clamp_on, clamp)
-                                v[c, i] = g1 / (T.float32(1) + T.exp(-g1)) * u1 * wv[0]
+                                        cnt[2] += T.if_then_else(cu, 1, 0)
+                                if fast_div:
+                                    gs[i] = g1
+                                    us[i] = u1
+                                    gb = T.reinterpret(g1, "uint32")
+                                    dm[0] = T.max(dm[0], gb + gb - T.uint32(2 * FAST_DIV_LO))
+                                else:
+                                    v[c, i] = _act(g1, u1, wv[0], weighted, False)
+                            if fast_div:
+                                if dm[0] <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO)):
+                                    for i in T.unroll(VEC):
+                                        v[c, i] = _act(gs[i], us[i], wv[0], weighted, True)
+                                else:
+                                    for i in T.unroll(VEC):
+                                        v[c, i] = _act(gs[i], us[i], wv[0], weighted, False)
+                            for i in T.unroll(VEC):
                                 am[c] = T.max(am[c], T.abs(v[c, i]))
                             if row_mode:
                                 rm[0] = T.max(rm[0], am[c])
@@ -257,7 +379,7 @@ def swiglu_fwd_token_kernel(
                                     am[c] = T.max(am[c], T.shfl_xor(am[c], off))
                                 if pair and c % 2 == 1:
                                     hi = T.bitwise_and(lane, b) != 0
-                                    s, si = _tl.scale_rule(
+                                    s, si = _scale_rule(
                                         T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
                                     )
                                     sp[0] = s
@@ -276,7 +398,7 @@ def swiglu_fwd_token_kernel(
                                     if T.truncmod(lane, b) == 0 and in_range(col_s):
                                         sf[_tl.sf_offset(layout, row, col_s // group, E, nk)] = _sf_value(layout, sp[0])
                                 elif not pair or c == UC - 1:
-                                    s, si = _tl.scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                    s, si = _scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
                                     if in_range(col):
                                         for i in T.vectorized(VEC):
                                             out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
@@ -284,7 +406,7 @@ def swiglu_fwd_token_kernel(
                                             sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
                         if row_mode:
                             if ph == 1:
-                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 for c in T.unroll(UC):
                                     col = it * span + c * (32 * VEC) + lane * VEC
                                     if in_range(col):
@@ -295,7 +417,7 @@ def swiglu_fwd_token_kernel(
                             for off in offsets:
                                 rm[0] = T.max(rm[0], T.shfl_xor(rm[0], off))
                             if lane == 0:
-                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
             if st[0] == 2:
                 for j in T.serial(iters // wpr):
@@ -313,6 +435,15 @@ def swiglu_fwd_token_kernel(
                         for z in T.unroll(nk_pad):
                             sf[_tl.sf_offset(layout, row, nk + z, E, nk)] = T.uint8(0)
             if count:
+                if packed_cnt:
+                    if st[0] == 1:
+                        for k in T.unroll(3):  # bf16 1.0 = 0x3F80; the sum of both halves (exact small integers)
+                            cnt[k] = T.cast(
+                                T.reinterpret(T.shift_left(cb[k], 16), "float32")
+                                + T.reinterpret(T.bitwise_and(cb[k], T.uint32(0xFFFF0000)), "float32"),
+                                "int32",
+                            )
+                cnt[2] = cnt[2] - cnt[1]  # #{|u| > c} - #{u > c} = #{u < -c}
                 for k in T.unroll(4):
                     for off in (16, 8, 4, 2, 1):
                         cnt[k] += T.shfl_xor(cnt[k], off)
@@ -540,7 +671,9 @@ def swiglu_fwd_channel_kernel(
     clamp_on: bool,
     threads: int = THREADS,
     min_blocks: int = MIN_BLOCKS,
+    fast_div: bool = True,
 ):
+    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``_DIV_FAST``)."""
     H = hidden
     NT = T.dynamic("num_tokens")
     nm = T.dynamic("nm")
@@ -553,6 +686,7 @@ def swiglu_fwd_channel_kernel(
     SEGS = bm // 16
     n_out = T.dynamic("n_out")
     out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
+    prelude = _DIV_FAST if fast_div else None
 
     @T.prim_func
     def main(
@@ -563,7 +697,7 @@ def swiglu_fwd_channel_kernel(
         clamp_min: T.float32,
         nt16: T.int32,
     ):
-        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=threads) as (bx, by):
+        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=threads, prelude=prelude) as (bx, by):
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -577,6 +711,9 @@ def swiglu_fwd_channel_kernel(
             am = T.alloc_local((VEC,), "float32")
             cm = T.alloc_local((1,), "float32")
             siv = T.alloc_local((VEC,), "float32")
+            gs = T.alloc_local((VEC,), "float32")  # fast_div: one row piece's clamped g and u
+            us = T.alloc_local((VEC,), "float32")
+            dm = T.alloc_local((1,), "uint32")
             red = T.alloc_shared((WARPS, COLS), "float32")
             sinv = T.alloc_shared((COLS,), "float32")
             if transpose:
@@ -590,9 +727,24 @@ def swiglu_fwd_channel_kernel(
             for i in T.unroll(VEC):
                 am[i] = T.float32(0)
             for r in T.unroll(RPT):
+                dm[0] = T.uint32(0)
                 for i in T.unroll(VEC):
                     g1, u1, _, _ = _swiglu(T.cast(xg[r, i], "float32"), T.cast(xu[r, i], "float32"), clamp_on, clamp)
-                    a[r, i] = T.cast(g1 / (T.float32(1) + T.exp(-g1)) * u1, "bfloat16")
+                    if fast_div:
+                        gs[i] = g1
+                        us[i] = u1
+                        gb = T.reinterpret(g1, "uint32")
+                        dm[0] = T.max(dm[0], gb + gb - T.uint32(2 * FAST_DIV_LO))
+                    else:
+                        a[r, i] = T.cast(_act(g1, u1, None, False, False), "bfloat16")
+                if fast_div:
+                    if dm[0] <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO)):
+                        for i in T.unroll(VEC):
+                            a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
+                    else:
+                        for i in T.unroll(VEC):
+                            a[r, i] = T.cast(_act(gs[i], us[i], None, False, False), "bfloat16")
+                for i in T.unroll(VEC):
                     am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
             for i in T.unroll(VEC):
                 for off in offsets:
@@ -606,7 +758,7 @@ def swiglu_fwd_channel_kernel(
                 cm[0] = red[0, tx]
                 for w in T.unroll(1, WARPS):
                     cm[0] = T.max(cm[0], red[w, tx])
-                s, si = _tl.scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
+                s, si = _scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
                 sf[by, bx * COLS + tx] = s
                 sinv[tx] = si
             T.sync_threads()
@@ -672,6 +824,9 @@ def swiglu_forward_and_per_token_cast_(
         round_sf=round_sf,
         clamp_mode=mode,
         chunks=fwd_token_chunks(h, _IN_DTYPES[x.dtype]),
+        min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype]),
+        pair_scales=True,
+        weighted=topk_weights is not None,
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)

@@ -1,0 +1,183 @@
+"""Compares tuning variants of ``per_block_cast_lossless_kernel`` in one GPU run (not a pytest file).
+
+    python3 packages/tk-quant/benchmarks/sweep_lossless.py [variant ...]
+
+Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread) and
+``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs) on every anchor line. Each variant is
+compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32: out blocks 1x128,
+32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against ``tk_quant.reference`` (data, SF and the
+error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs with inadmissible scales, then timed
+(CUPTI, L2 flushed). The first variant also checks hidden 576 (a partial column tile) with fp32, TMA-aligned
+column-major and packed UE8M0 input scales, and the public function: 0 tokens, and the ``ValueError`` of an
+inadmissible block. One line per variant x anchor line: ``name ok=<bool> us=<t> GB/s=<g> anchor=<a>
+ratio=<g/a>`` (the anchors are ~1,000 GB/s; the target is 3,500)."""
+
+import sys
+import traceback
+
+import tilelang
+import torch
+
+from tk_core.jit import arch_of, target_of
+from tk_core.layout import ceil_div
+from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
+from tk_quant import reference
+from tk_quant.per_block_cast import alloc_sf_storage
+from tk_quant.per_block_cast_lossless import (
+    PASSES,
+    _sf_flat,
+    _tile,
+    default_min_blocks,
+    per_block_cast_lossless,
+    per_block_cast_lossless_kernel,
+)
+
+# name: kernel overrides (passes = rows per thread, min_blocks = CTAs per SM); {} is what the op launches:
+# 2 rows per thread (2-D blocks through shared memory), 4 CTAs per SM
+VARIANTS = {
+    "default": {},
+    "p4mb3": dict(passes=4, min_blocks=3),  # round 1's best 2-D tiling (80 registers allowed)
+    "p4": dict(passes=4, min_blocks=4),  # 32x32: a warp holds whole blocks (no shared memory)
+    "p8mb2": dict(passes=8, min_blocks=2),  # 128 B of data per thread in flight, fewer warps
+    "p1mb6": dict(passes=1, min_blocks=6),  # more warps, one row each (2-D at 40 registers: small spills)
+}
+T, H = 8001, 7168
+# (out block, packed SF output, anchor GB/s)
+LINES = [((1, 128), False, 1058), ((32, 32), False, 1042), ((128, 128), False, 1009), ((1, 128), True, 1043)]
+# first variant only: (hidden, out block, packed SF output, input SF (col-major, packed))
+ODD = [(576, ob, pk, (False, False)) for ob, pk, _ in LINES] + [
+    (576, (32, 32), True, (True, True)),
+    (576, (128, 128), False, (True, False)),
+    (576, (1, 128), True, (True, True)),
+    (576, (2, 64), False, (False, False)),  # several block maxima per thread
+    (576, (64, 512), True, (False, False)),  # 8 threads per row, shared memory
+    (576, (4, 256), False, (True, True)),
+]
+
+
+def params(h, ob, packed, in_packed, over, sms):
+    """Kernel parameters as ``per_block_cast_lossless_`` passes them, with ``over`` on top."""
+    passes = over.get("passes") or PASSES
+    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes)[2], ob[0])
+    return dict(hidden=h, bm_in=1, bk_in=32, in_kind="packed" if in_packed else "fp32", bm_out=ob[0], bk_out=ob[1],
+                layout="packed" if packed else "row", passes=passes, min_blocks=mb, ctas=sms * mb)
+
+
+def fp4_input(t, h, in_sf=(False, False), bad=False):
+    xq = reference.cast(torch.randn(t, h, device="cuda"), "e2m1", (1, 32), round_sf=True,
+                        use_tma_aligned_col_major_sf=in_sf[0], use_packed_ue8m0=in_sf[1])
+    if bad and t > 5 and xq[1].dtype == torch.float32:  # a non-power-of-two scale, and a spread of 2**20 inside one row (d < -8 for 32x32 too)
+        sf = xq[1].clone()
+        sf[3, 2] *= 1.5
+        sf[5, 1] *= 2.0**-20
+        xq = (xq[0], sf)
+    return xq
+
+
+def case(k, p, xq):
+    """(fn, ok_fn, nbytes): the kernel on ``xq`` and its bit-exact check (data, SF, error count)."""
+    data, sf_in = xq
+    t, h, ob, packed = data.shape[0], p["hidden"], (p["bm_out"], p["bk_out"]), p["layout"] == "packed"
+    out = torch.full((t, h), 0x7F, dtype=torch.uint8, device="cuda")
+    flat, sf = alloc_sf_storage(ceil_div(t, ob[0]), ceil_div(h, ob[1]), p["layout"], "cuda")
+    flat.fill_(0x7F if packed else float("nan"))
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    sf_flat, s0, s1 = _sf_flat(sf_in)
+    fn = lambda: k(data.view(torch.int32), sf_flat, out.view(torch.uint32), flat, err, s0, s1)  # noqa: E731
+
+    def ok_fn():
+        ro, rs, n_err = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), ob, packed, True, packed)
+        return (torch.equal(out, ro.view(torch.uint8)) and torch.equal(sf.view(torch.int32), rs.view(torch.int32))
+                and int(err.item()) == int(n_err))
+
+    nbytes = data.numel() + sf_in.numel() * sf_in.element_size() + out.numel() + sf.numel() * sf.element_size()
+    return fn, ok_fn, nbytes
+
+
+def checked(k, p, xq):
+    fn, ok_fn, _ = case(k, p, xq)
+    fn()
+    return ok_fn()
+
+
+def public_checks():
+    """The op's own path: 0 tokens, the error of an inadmissible block, check=False with a count."""
+    out, sf = per_block_cast_lossless((torch.empty(0, 64, dtype=torch.int8, device="cuda"), torch.empty(0, 4, device="cuda")),
+                                      "e4m3", (1, 32), (32, 32))
+    ok = out.shape == (0, 128) and sf.shape == (0, 4)
+    xq = fp4_input(127, 576, bad=True)
+    try:
+        per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
+        ok = False
+    except ValueError as e:
+        ok &= "inadmissible" in str(e)
+    cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
+    o, s = per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128), check=False, error_count=cnt)
+    ro, rs, n_err = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
+    ok &= torch.equal(o.view(torch.uint8), ro.view(torch.uint8)) and torch.equal(s, rs) and int(cnt.item()) == int(n_err) > 0
+    print(f"public T=0 / ValueError / error_count ok={ok}", flush=True)
+
+
+def main():
+    names = sys.argv[1:] or list(VARIANTS)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arch = arch_of(None)
+    first = names[0]
+    jobs = [(s, i, params(H, ob, pk, False, VARIANTS[s], sms)) for s in names for i, (ob, pk, _) in enumerate(LINES)]
+    jobs += [(first, f"x{i}", params(h, ob, pk, in_sf[1], VARIANTS[first], sms)) for i, (h, ob, pk, in_sf) in enumerate(ODD)]
+    funcs, live = [], []
+    for s, i, p in jobs:
+        try:
+            funcs.append(per_block_cast_lossless_kernel(**p))
+            live.append((s, i, p))
+        except Exception:
+            print(f"{s} {i} trace failed:\n{traceback.format_exc(limit=2)}", flush=True)
+    ks = {}
+    try:
+        kernels = tilelang.par_compile(funcs, target=target_of(arch), num_workers=16,
+                                       pass_configs=per_block_cast_lossless_kernel.pass_configs)
+        ks = {(s, i): (k, p) for (s, i, p), k in zip(live, kernels)}
+    except Exception as e:  # noqa: BLE001
+        print(f"par_compile failed ({type(e).__name__}: {e}); compiling one by one", flush=True)
+        for (s, i, p), f in zip(live, funcs):
+            try:
+                ks[(s, i)] = (tilelang.compile(f, target=target_of(arch), pass_configs=per_block_cast_lossless_kernel.pass_configs), p)
+            except Exception as e2:  # noqa: BLE001
+                print(f"{s} {i}: compile failed: {type(e2).__name__}: {e2}", flush=True)
+    print(f"copy {copy_bandwidth_gbps():.0f} GB/s", flush=True)
+    try:
+        public_checks()
+    except Exception:
+        print(f"public ok=False failed:\n{traceback.format_exc(limit=3)}", flush=True)
+    torch.manual_seed(0)
+    anchor_in = fp4_input(T, H)
+    small = {t: fp4_input(t, H) for t in (1, 127, 4001)}
+    bad_in = fp4_input(127, H, bad=True)
+    for s in names:
+        for i, (ob, pk, anchor) in enumerate(LINES):
+            name = f"lossless {ob[0]}x{ob[1]}{' packed' if pk else ''}"
+            try:
+                k, p = ks[(s, i)]
+                ok = all(checked(k, p, xq) for xq in (*small.values(), bad_in))
+                if s == first and i == 0:
+                    for j, (h, ob2, pk2, in_sf) in enumerate(ODD):
+                        kx, px = ks[(s, f"x{j}")]
+                        for t in (1, 133):
+                            good = checked(kx, px, fp4_input(t, h, in_sf, bad=True))
+                            if not good:
+                                print(f"{s:>8} odd h={h} {ob2} packed={pk2} in_sf={in_sf} t={t} ok=False", flush=True)
+                            ok &= good
+                fn, ok_fn, nbytes = case(k, p, anchor_in)
+                fn()
+                ok &= ok_fn()
+                us = device_time_us(fn)
+                g = nbytes / us / 1e3
+                print(f"{s:>8} {name:<22} ok={ok} us={us:.1f} GB/s={g:.0f} anchor={anchor} ratio={g / anchor:.3f} "
+                      f"target=3500 passes={p['passes']} min_blocks={p['min_blocks']}", flush=True)
+            except Exception:
+                print(f"{s:>8} {name:<22} ok=False us=nan GB/s=nan anchor={anchor} ratio=nan failed:\n"
+                      f"{traceback.format_exc(limit=3)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
