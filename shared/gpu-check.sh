@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine where the packages are on PYTHONPATH but not installed (the H200 of the device
 # tool, through .gpu/run.sh): the gpu tier of every package and of tests-integration, then the benchmarks,
-# one pytest-benchmark JSON per benchmark file (<package>-<file>.json).
+# folded file by file into one pytest-benchmark JSON per package (<package>.json).
 #
 #   bash .gpu/run.sh bash shared/gpu-check.sh                 # results under $OUT (or shared/benchmarks/<gpu>)
 #   PACKAGES="tk-quant" BENCH_FILTER="not torch" bash .gpu/run.sh bash shared/gpu-check.sh
@@ -16,13 +16,17 @@ echo "gpu tier: $(tail -1 "$out/gpu.log")"
 grep -E '^(FAILED|ERROR)' "$out/gpu.log" | cut -c1-200 | head -30
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 # One pytest call per benchmark file: pytest-benchmark writes its JSON only when the session ends, so a call cut
-# short by a time limit would lose every figure of the package.
+# short by a time limit would lose every figure of the package. Each file's JSON goes to a scratch folder and is
+# folded at once into <out>/<package>.json (shared/benchmarks/merge.py): the device tool returns only a few files.
+runs=$(mktemp -d)
 for f in $(for p in $packages; do ls packages/$p/benchmarks/bench_*.py 2>/dev/null; done); do
   name=$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f" .py)
   python3 -m pytest "$f" -m benchmark --run-benchmark -q -p no:cacheprovider -k "${BENCH_FILTER:-}" \
-    --benchmark-json "$out/$name.json" >"$out/$name.log" 2>&1
-  echo "$name: $(tail -1 "$out/$name.log")"
-  python3 - "$out/$name.json" <<'PY'
+    --benchmark-json "$runs/$name.json" >>"$out/bench.log" 2>&1
+  echo "$name: $(tail -1 "$out/bench.log")"
+  [ -f "$runs/$name.json" ] || continue
+  python3 shared/benchmarks/merge.py "$runs" "$out" "gpu-check.sh run" >/dev/null
+  python3 - "$runs/$name.json" <<'PY'
 import json, sys
 for b in json.load(open(sys.argv[1]))["benchmarks"]:
     e = b["extra_info"]
