@@ -645,6 +645,8 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     e_t (B, d_mem), h_t (B, d), W_K/W_V (d_mem, d), rms_w_* (d,), conv_w (w, d), conv_state (B, L, d)
     with L >= dilation*(w-1), all of one dtype (fp16/bf16; CPU also fp32/fp64); cache_pos (B,) int32 >= 0.
     On CUDA d and d_mem must be multiples of 8 and conv_state contiguous (it is updated in place).
+    Limit: the one-launch kernel synchronises its CTAs through a counter workspace per device, so decode steps
+    on one device must not run concurrently on two CUDA streams (one after another on any streams is fine).
     """
     op = "engram_decode_step"
     _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, eps)
