@@ -1,15 +1,13 @@
 """Compares tuning variants of the Engram gate kernels (``gate_fwd_kernel`` save/nosave, ``gate_bwd_kernel``)
 in one GPU run (not a pytest file).
 
-    python3 packages/tk-engram/benchmarks/sweep_gate.py [fwd:threads,blocks | bwd:threads,blocks,pipeline ...]
+    python3 packages/tk-engram/benchmarks/sweep_gate.py [fwd:threads,blocks | bwd:threads,blocks ...]
 
 Every variant is compiled in parallel (n=4; H=7168 and H=576, whose last vector tile is partial), checked
 against ``reference.py`` with the tolerances of tests/test_engram_gate.py (calc_diff; nosave out equal to
 save out; a second run bit-identical) on T = 8001, 77 and 1 tokens, then timed (CUPTI, L2 flushed) on the
 anchor lines (T=8001, n=4, H=7168), bytes counted as the anchor counts them. ``blocks`` is the CTAs per SM
-the registers are capped for (and the grid is sized to); ``pipeline`` (bwd) 1 copies token t+1's x and k
-into a second shared-memory buffer while token t is processed, 0 copies them with token t's other loads.
-The first variant of each kind is the op's default; threads=448 is the layout the op uses at H=14336."""
+the registers are capped for (and the grid is sized to). The first variant of each kind is the op's default; threads=448 is the layout the op uses at H=14336."""
 
 import sys
 
@@ -23,7 +21,7 @@ from tk_engram import reference
 from tk_engram._gate_kernels import PASS_CONFIGS, gate_bwd_kernel, gate_fwd_kernel
 from tk_engram.gate import _vec_view, token_chunks
 
-DEFAULT = ["fwd:224,3", "fwd:224,4", "fwd:448,2", "bwd:224,2,0", "bwd:224,2,1", "bwd:448,2,0"]
+DEFAULT = ["fwd:224,3", "fwd:224,4", "fwd:448,2", "bwd:224,2", "bwd:224,3", "bwd:448,2"]
 N, H, T_ = 4, 7168, 8001
 EPS, CLAMP = 1e-6, 1e-6
 ANCHOR = {("fwd", True): 3809, ("fwd", False): 3811, ("bwd", None): 3916}
@@ -31,10 +29,10 @@ SMS = torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def parse(spec):
-    """(kind, threads, blocks, pipeline); pipeline is None for the forward."""
+    """(kind, threads, blocks)."""
     kind, rest = spec.split(":")
-    vals = list(map(int, rest.split(",")))
-    return kind, vals[0], vals[1], bool(vals[2]) if kind == "bwd" else None
+    threads, blocks = map(int, rest.split(","))
+    return kind, threads, blocks
 
 
 def inputs(t, n, h):
@@ -96,17 +94,17 @@ def check_bwd(kern, blocks, t, h):
 
 def main():
     specs = sys.argv[1:] or DEFAULT
-    uniq = {}  # (kind, threads, blocks, pipeline), hidden, save -> prim_func
+    uniq = {}  # (kind, threads, blocks), hidden, save -> prim_func
     for spec in specs:
-        kind, threads, blocks, pipeline = parse(spec)
+        kind, threads, blocks = parse(spec)
         for hidden in (H, 576):
             for save in (True, False) if kind == "fwd" else (None,):
-                key = ((kind, threads, blocks, pipeline), hidden, save)
+                key = ((kind, threads, blocks), hidden, save)
                 if key not in uniq:
                     uniq[key] = (
                         gate_fwd_kernel(n=N, hidden=hidden, save=save, threads=threads, blocks=blocks)
                         if kind == "fwd"
-                        else gate_bwd_kernel(n=N, hidden=hidden, threads=threads, blocks=blocks, pipeline=pipeline)
+                        else gate_bwd_kernel(n=N, hidden=hidden, threads=threads, blocks=blocks)
                     )
     names = list(uniq)
     try:
@@ -128,10 +126,10 @@ def main():
     _, dot, gate, rx, rk = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP)
     nb = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     for spec in specs:
-        kind, threads, blocks, pipeline = parse(spec)
-        name = f"{kind} threads={threads} blocks={blocks}" + (f" pipeline={int(pipeline)}" if kind == "bwd" else "")
+        kind, threads, blocks = parse(spec)
+        name = f"{kind} threads={threads} blocks={blocks}"
         try:
-            kk = {(h, s): kern[((kind, threads, blocks, pipeline), h, s)]
+            kk = {(h, s): kern[((kind, threads, blocks), h, s)]
                   for h in (H, 576) for s in ((True, False) if kind == "fwd" else (None,))}
             if any(v_ is None for v_ in kk.values()):
                 print(f"{name} ok=False (compile failed)", flush=True)

@@ -27,7 +27,6 @@ QIN = "quant_in"  # the QuantTensor-input lines
 # name: (per-channel lines it applies to: None all, QIN; channel overrides)
 VARIANTS = {
     "default": (None, {}),
-    "pf_top": (None, dict(prefetch_first=True)),  # the next tile's loads before the amax (session 2 round 2)
     "qmb3": (QIN, dict(min_blocks=3)),  # QuantTensor input at 3 CTAs per SM (its widened tile then spills)
     "qv8mb4": (QIN, dict(vec=8, min_blocks=4)),  # 8-channel e4m3 rows
 }

@@ -75,15 +75,15 @@ PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True, "tl.disable_thread_stor
 
 # cp.async (sm_80+): a 16-byte global -> shared copy that needs no register, so it is issued at once (ptxas
 # sinks a plain load whose value is used late, e.g. after the barrier). A thread only reads back the vectors
-# it copied itself, after its own wait: no barrier is needed.
+# it copied itself, after its own wait, so no barrier orders the copy with its reader. Reusing a buffer is another
+# matter: cp.async is not ordered with the thread's earlier shared-memory reads of it, so the backward copies
+# into two stages by token parity and relies on the per-token barrier between the two uses of a stage.
 CP_ASYNC = r"""
 __device__ __forceinline__ void tk_cp_async16(void* smem, const void* gmem) {
   unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
 }
 __device__ __forceinline__ void tk_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-__device__ __forceinline__ void tk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void tk_cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
 """
 
 
@@ -114,15 +114,6 @@ def _cp_async16(smem, smem_index, buf, index):
 
 def _cp_async_wait_all():
     return T.call_extern("handle", "tk_cp_async_wait_all")
-
-
-def _cp_async_commit():
-    return T.call_extern("handle", "tk_cp_async_commit")
-
-
-def _cp_async_wait_prior():
-    # every committed group but the newest has landed
-    return T.call_extern("handle", "tk_cp_async_wait_prior")
 
 
 @kernel(pass_configs=PASS_CONFIGS)
@@ -345,7 +336,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0, pipeline: bool = False):
+def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
 
     CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
@@ -359,15 +350,12 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
     grad_v = 0 and add nothing to grad_w.
 
     G, v, the other streams' G rows and the per-token scalars are loaded into registers, all before the first
-    FMA; x and k (used only after the barrier) arrive as cp.async copies into shared memory. With
-    ``pipeline`` the x and k rows of token t + 1 are copied into a second shared-memory stage while token t is
-    processed (cp.async groups, waited for one token late), so half of a CTA's row loads are always in flight
-    and the DRAM stream does not stall on each CTA's load-reduce-store cycle; without it they are issued with token
-    t's other loads, still into stage t % 2: a copy may land before the same thread's earlier shared-memory reads
-    of its stage have been performed (cp.async is not ordered with them), and the barrier between tokens t - 1
-    and t + 1 orders them (one stage measured wrong results on long token chunks). ``pipeline`` measured slower
-    (3,523 against 3,773 GB/s on the H200 at the anchor line). ``blocks`` (0: the default ``bwd_blocks_per_sm``)
-    sets the CTAs per SM the registers are capped for. Neither changes any arithmetic: results are bit-identical across variants.
+    FMA; x and k (used only after the barrier) arrive as cp.async copies into shared memory, issued with token
+    t's other loads into stage t % 2: a copy may land before the same thread's earlier shared-memory reads of its
+    stage have been performed (cp.async is not ordered with them), and the barrier between tokens t - 1 and t + 1
+    orders them (one stage measured wrong results on long token chunks). Copying token t + 1's rows while token t
+    is processed measured slower (3,523 against 3,773 GB/s on the H200 at the anchor line). ``blocks`` (0: the
+    default ``bwd_blocks_per_sm``) sets the CTAs per SM the registers are capped for; it changes no arithmetic.
     """
     R = -(-hidden // (VEC * threads))
     RO = -(-R // n)
@@ -433,10 +421,6 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                         ws[d0 + j] = Wf[h, d0 + j]
             t_begin = p * chunk
             t_end = T.min(t_begin + chunk, nt)
-            if pipeline:
-                if t_begin < t_end:
-                    copy_xk(X, K, xs, ks, t_begin, h, sx0, sx1, sk0, sk1, tx)
-                    _cp_async_commit()
             for t in T.serial(t_begin, t_end):
                 t64 = T.cast(t, "int64")
                 gbase = (t64 * sg0 + T.cast(h, "int64") * sg1) * VEC
@@ -445,8 +429,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                     mk = T.cast(Mask[t], "int32")
                 # Every load of the token is issued here, before any FMA: one memory round trip per token.
                 # cp.async copies take no register, so ptxas cannot sink them below the first FMAs.
-                if not pipeline:
-                    copy_xk(X, K, xs, ks, t, h, sx0, sx1, sk0, sk1, tx)
+                copy_xk(X, K, xs, ks, t, h, sx0, sx1, sk0, sk1, tx)
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
@@ -467,13 +450,6 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 gate = Gate[t, h]
                 rx = Rx[t, h]
                 rk = Rk[t, h]
-                if pipeline:
-                    # the next token's x and k (issued together with this token's loads); stage (t + 1) % 2
-                    # was last read by this thread at token t - 1. A group is committed every token (empty on
-                    # the last) so that "all but the newest group done" always means token t's copies landed.
-                    if t + 1 < t_end:
-                        copy_xk(X, K, xs, ks, t + 1, h, sx0, sx1, sk0, sk1, tx)
-                    _cp_async_commit()
                 dg = T.float32(0)
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
@@ -511,10 +487,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 )
                 ca = dot * rx * rx / T.float32(hidden)
                 cb = dot * rk * rk / T.float32(hidden)
-                if pipeline:
-                    _cp_async_wait_prior()
-                else:
-                    _cp_async_wait_all()
+                _cp_async_wait_all()
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:

@@ -49,6 +49,29 @@ STEP_CLUSTER = 8
 _SMS = 132  # H100 / H200 SXM; the grid heuristics below only need the order of magnitude
 
 
+@T.macro
+def write_step(vf, wv, cw, st, vo, wo, co, so, a, r_v, no, uu, yo, Y, state, row, slot, c0, taps: int, dtype: str):
+    """The end of a decode step for the 16-byte column vector ``c0`` of batch row ``row``, given the gate ``a`` and
+    ``r_v``: n = round(a v w_v r_v), the dilated causal conv u over n and the ``taps - 1`` lagged cache slots, y =
+    round(SiLU(u) + a v); writes y and n (into cache slot ``slot``). Operands start at these offsets: v (float32,
+    already rounded) ``vf[vo]``, w_v ``wv[wo]``, the taps ``cw[co + p * VEC]``, lag q + 1 ``st[so + q * VEC]``."""
+    R = taps - 1
+    for e in T.unroll(VEC):
+        no[e] = T.cast(a * vf[vo + e] * T.cast(wv[wo + e], "float32") * r_v, dtype)
+        uu[e] = T.cast(cw[co + (taps - 1) * VEC + e], "float32") * T.cast(no[e], "float32")
+    for q in T.unroll(R):
+        for e in T.unroll(VEC):
+            uu[e] += T.cast(cw[co + (taps - 2 - q) * VEC + e], "float32") * T.cast(st[so + q * VEC + e], "float32")
+    for e in T.unroll(VEC):
+        vh = a * vf[vo + e]
+        yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
+    for e in T.vectorized(VEC):
+        Y[row, c0 + e] = yo[e]
+    if R > 0:
+        for e in T.vectorized(VEC):
+            state[row, slot, c0 + e] = no[e]
+
+
 def step_layout(d: int, cluster: int = 1) -> tuple[int, int, int]:
     """(vectors per CTA, slots, threads) of the step kernel with ``cluster`` CTAs per row: CTA r of a row
     owns the 8-column vectors r * vpc + s * threads + tx (s < slots, s * threads + tx < vpc); threads a
@@ -263,21 +286,8 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
             for s in T.unroll(slots):
                 c0 = (br * vpc + s * threads + tx) * VEC
                 if s * threads + tx < vpc and c0 < d:
-                    for e in T.unroll(VEC):
-                        no[e] = T.cast(a * vf[s * VEC + e] * T.cast(wv[s * VEC + e], f32) * r_v, dtype)
-                        uu[e] = T.cast(cw[(s * taps + taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
-                    for q in T.unroll(R):
-                        for e in T.unroll(VEC):
-                            uu[e] += (T.cast(cw[(s * taps + taps - 2 - q) * VEC + e], f32)
-                                      * T.cast(st[(s * R + q) * VEC + e], f32))
-                    for e in T.unroll(VEC):
-                        vh = a * vf[s * VEC + e]
-                        yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
-                    for e in T.vectorized(VEC):
-                        Y[bb, c0 + e] = yo[e]
-                    if R > 0:
-                        for e in T.vectorized(VEC):
-                            state[bb, rp, c0 + e] = no[e]
+                    write_step(vf, wv, cw, st, s * VEC, s * VEC, s * taps * VEC, s * R * VEC, a, r_v, no, uu, yo,
+                               Y, state, bb, rp, c0, taps, dtype)
 
     return main
 
@@ -474,21 +484,8 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
                 sc = r_h * r_k * part[i * 4 + 2] * inv_sqrt_d
                 a = T.float32(1) / (T.float32(1) + T.exp(-sc))
                 r_v = T.rsqrt(a * a * (part[i * 4 + 3] * inv_d) + eps)
-                for e in T.unroll(VEC):
-                    no[e] = T.cast(a * vf[i * VEC + e] * T.cast(wv[e], f32) * r_v, dtype)
-                    uu[e] = T.cast(cw[(taps - 1) * VEC + e], f32) * T.cast(no[e], f32)
-                for q in T.unroll(R):
-                    for e in T.unroll(VEC):
-                        uu[e] += (T.cast(cw[(taps - 2 - q) * VEC + e], f32)
-                                  * T.cast(st[(i * R + q) * VEC + e], f32))
-                for e in T.unroll(VEC):
-                    vh = a * vf[i * VEC + e]
-                    yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
-                for e in T.vectorized(VEC):
-                    Y[b, c0 + e] = yo[e]
-                if R > 0:
-                    for e in T.vectorized(VEC):
-                        state[b, rpl[i], c0 + e] = no[e]
+                write_step(vf, wv, cw, st, i * VEC, 0, 0, i * R * VEC, a, r_v, no, uu, yo, Y, state, b, rpl[i], c0,
+                           taps, dtype)
 
 
     @T.prim_func

@@ -88,18 +88,16 @@ def per_channel_cast_kernel(
     min_blocks: int = 0,
     ctas: int = 0,
     vec: int = 0,
-    prefetch_first: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
     Persistent: at most ``ctas`` CTAs (SMs x ``min_blocks``) loop over the 128 x 64 tiles, and each loads
     its next tile into a second register buffer while it reduces, scales and stores the current one, so
-    loads stay in flight across the barriers. The rows stay in registers in their input dtype (a bf16 row
-    of 8 channels is 4 registers, an e4m3 row of 16 channels too) and are widened twice, for the amax and for the
-    quantization: half the registers of fp32 copies. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
+    loads stay in flight across the barriers. The next tile waits in registers in its input dtype (a bf16 row
+    of 8 channels is 4 registers, an e4m3 row of 16 channels too); the current one is widened once into a float32
+    tile that both the amax and the quantization read. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
     an unnamed arch, and ``DEFAULT_SMS`` SMs. ``vec``: channels per thread (0: ``default_vec``); the tile is
-    128 x ``8 * vec``. ``prefetch_first`` issues the next tile's loads at the top of the step instead of after
-    the amax (a tuning variant).
+    128 x ``8 * vec``.
     """
     VEC = vec or default_vec(quant_in)
     BK = TPR * VEC  # channels per tile
@@ -178,8 +176,6 @@ def per_channel_cast_kernel(
                 tile = bid + it * nctas
                 bx = T.truncmod(tile, NX)
                 by = T.truncdiv(tile, NX)
-                if prefetch_first and it + 1 < niter:
-                    load(x, x_sf, pos, err, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
                 # Widened (and, for QuantTensor input, scaled) once for both the amax and the quantization: ptxas
                 # otherwise recomputes it to save registers (QuantTensor input: 2,553 -> 2,763 GB/s at 2 CTAs/SM).
                 for p in T.unroll(P):
@@ -192,7 +188,7 @@ def per_channel_cast_kernel(
                         am[v] = T.max(am[v], T.abs(xf[p, v]))
                 # The next tile's loads: issued after this tile's amax (measured 2-5% faster than before it, where
                 # they compete with the amax for issue slots and registers), they still land across the barriers.
-                if not prefetch_first and it + 1 < niter:
+                if it + 1 < niter:
                     load(x, x_sf, pos, err, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
                 for v in T.unroll(VEC):
                     am[v] = T.max(am[v], T.shfl_xor(am[v], 8))

@@ -168,6 +168,17 @@ FAST_DIV_LO = (127 - 64) << 23
 FAST_DIV_HI = (127 + 6) << 23
 
 
+def _fast_div_key(g):
+    """The uint32 whose maximum over a chunk's gates is at most ``_fast_div_ok``'s bound exactly when every one of
+    them allows ``tk_div_fast``."""
+    gb = T.reinterpret(g, "uint32")
+    return gb + gb - T.uint32(2 * FAST_DIV_LO)
+
+
+def _fast_div_ok(key_max):
+    return key_max <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO))
+
+
 def _act(g, u, w, weighted: bool, fast: bool):
     """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``."""
     t = T.float32(1) + T.exp(-g)
@@ -359,12 +370,11 @@ def swiglu_fwd_token_kernel(
                                 if fast_div:
                                     gs[i] = g1
                                     us[i] = u1
-                                    gb = T.reinterpret(g1, "uint32")
-                                    dm[0] = T.max(dm[0], gb + gb - T.uint32(2 * FAST_DIV_LO))
+                                    dm[0] = T.max(dm[0], _fast_div_key(g1))
                                 else:
                                     v[c, i] = _act(g1, u1, wv[0], weighted, False)
                             if fast_div:
-                                if dm[0] <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO)):
+                                if _fast_div_ok(dm[0]):
                                     for i in T.unroll(VEC):
                                         v[c, i] = _act(gs[i], us[i], wv[0], weighted, True)
                                 else:
@@ -733,12 +743,11 @@ def swiglu_fwd_channel_kernel(
                     if fast_div:
                         gs[i] = g1
                         us[i] = u1
-                        gb = T.reinterpret(g1, "uint32")
-                        dm[0] = T.max(dm[0], gb + gb - T.uint32(2 * FAST_DIV_LO))
+                        dm[0] = T.max(dm[0], _fast_div_key(g1))
                     else:
                         a[r, i] = T.cast(_act(g1, u1, None, False, False), "bfloat16")
                 if fast_div:
-                    if dm[0] <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO)):
+                    if _fast_div_ok(dm[0]):
                         for i in T.unroll(VEC):
                             a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
                     else:
