@@ -9,7 +9,7 @@ from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal
 from tk_core.testing.compile_check import assert_compiles
 from tk_transpose import SUPPORTED_DTYPES, batched_transpose, reference, transpose
-from tk_transpose.transpose import _batched_transpose_op, transpose_kernel
+from tk_transpose.transpose import _batched_transpose_op, transpose_kernel, transpose_shared_kernel
 
 
 def random_tensor(shape, dtype, device="cpu") -> torch.Tensor:
@@ -99,6 +99,16 @@ def test_kernel_compiles(arch, elem_bits, mode):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("elem_bits", [8, 16])
+def test_shared_kernel_compiles(arch, elem_bits):
+    src = assert_compiles(transpose_shared_kernel, arch, elem_bits=elem_bits)
+    # 16-byte cp.async loads, one barrier on each path (interior and edge tiles), 16-byte stores.
+    assert "tk_cp_async16(" in src and src.count("__syncthreads()") == 2 and "tk_st_global_v4(" in src
+    assert re.search(r"\*\(uint4\*\)\(S \+", src)  # a unit row comes out of shared memory as one vector
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("elem_bits", [8, 16, 32])
 def test_kernel_compiles_with_8_byte_loads(elem_bits):
     src = assert_compiles(transpose_kernel, "sm_90a", elem_bits=elem_bits, mode="vector", load_bytes=8)
@@ -107,7 +117,10 @@ def test_kernel_compiles_with_8_byte_loads(elem_bits):
 
 # --- gpu tier -------------------------------------------------------------------------------------
 
-GPU_SHAPES = [(1, 1, 1), (1, 64, 64), (3, 100, 37), (2, 129, 257), (1, 4032, 576), (8, 256, 7168), (2, 7, 4099)]
+# Interior and edge tiles of both kernels: partial tiles in rows and columns, a partial 16-byte input chunk at a
+# row's end (N = 300), unaligned output rows (M = 7, 129: the register kernel).
+GPU_SHAPES = [(1, 1, 1), (1, 64, 64), (3, 100, 37), (2, 129, 257), (1, 4032, 576), (8, 256, 7168), (2, 7, 4099),
+              (2, 272, 300), (1, 384, 1024)]
 
 
 @pytest.mark.gpu

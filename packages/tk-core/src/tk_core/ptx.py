@@ -20,3 +20,28 @@ def st_global_v4(address, a, b, c, d):
     """``*(uint4*)address = {a, b, c, d}`` as one instruction; ``address`` (``T.address_of(buf[i])``) must be
     16-byte aligned global memory, and the kernel's prelude must contain ``ST_GLOBAL_V4``."""
     return T.call_extern("handle", "tk_st_global_v4", address, a, b, c, d)
+
+
+# cp.async (sm_80+): a 16-byte global -> shared copy that holds no register, so every copy of a tile is in flight
+# at once (ptxas sinks a plain load whose value is used late, e.g. after a barrier). ``.cg`` caches in L2 only.
+# The copies of a thread land by its ``tk_cp_async_wait_all``; other threads see them after a barrier that
+# follows that wait. A copy is not ordered with the thread's earlier shared-memory reads of its destination:
+# reusing a buffer needs a barrier (or a second buffer) between the last read and the next copy.
+CP_ASYNC = r"""
+__device__ __forceinline__ void tk_cp_async16(void* smem, const void* gmem) {
+  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void tk_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+"""
+
+
+def cp_async16(smem_address, global_address):
+    """Starts a 16-byte copy from global to shared memory (both ``T.address_of(...)``, 16-byte aligned); the
+    kernel's prelude must contain ``CP_ASYNC``."""
+    return T.call_extern("handle", "tk_cp_async16", smem_address, global_address)
+
+
+def cp_async_wait_all():
+    """Waits until this thread's ``cp_async16`` copies have landed in shared memory."""
+    return T.call_extern("handle", "tk_cp_async_wait_all")

@@ -15,7 +15,7 @@ row strides divided by 8, so the vector alignment is provable and no stride is b
 import tilelang.language as T
 
 from tk_core.jit import kernel
-from tk_core.ptx import ST_GLOBAL_V4
+from tk_core.ptx import CP_ASYNC, ST_GLOBAL_V4, cp_async16, cp_async_wait_all
 
 VEC = 8  # bf16 elements per 16-byte vector
 BF16 = "bfloat16"
@@ -73,18 +73,10 @@ def _inv_sqrt_hidden(hidden: int):
 PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True}
 
 
-# cp.async (sm_80+): a 16-byte global -> shared copy that needs no register, so it is issued at once (ptxas
-# sinks a plain load whose value is used late, e.g. after the barrier). A thread only reads back the vectors
-# it copied itself, after its own wait, so no barrier orders the copy with its reader. Reusing a buffer is another
-# matter: cp.async is not ordered with the thread's earlier shared-memory reads of it, so the backward copies
-# into two stages by token parity and relies on the per-token barrier between the two uses of a stage.
-CP_ASYNC = r"""
-__device__ __forceinline__ void tk_cp_async16(void* smem, const void* gmem) {
-  unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void tk_cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-"""
+# cp.async (``tk_core.ptx``): a thread only reads back the vectors it copied itself, after its own wait, so no
+# barrier orders a copy with its reader. Reusing a buffer is another matter (cp.async is not ordered with the
+# thread's earlier shared-memory reads of it): the backward copies into two stages by token parity and relies on
+# the per-token barrier between the two uses of a stage.
 
 
 # Eight float32 values rounded to bf16 (round to nearest even, as the TileLang cast) and written with one 16-byte
@@ -106,14 +98,6 @@ __device__ __forceinline__ void tk_store_bf16x8(void* dst, const float* v) {
 
 def _store_bf16x8(buf, index, vals):
     return T.call_extern("handle", "tk_store_bf16x8", T.address_of(buf[index]), T.address_of(vals[0]))
-
-
-def _cp_async16(smem, smem_index, buf, index):
-    return T.call_extern("handle", "tk_cp_async16", T.address_of(smem[smem_index]), T.address_of(buf[index]))
-
-
-def _cp_async_wait_all():
-    return T.call_extern("handle", "tk_cp_async_wait_all")
 
 
 @kernel(pass_configs=PASS_CONFIGS)
@@ -178,7 +162,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
-                        _cp_async16(vs, d0, V, vbase + d0)
+                        cp_async16(T.address_of(vs[d0]), T.address_of(V[vbase + d0]))
                         for j in T.vectorized(VEC):
                             xl[r, j] = X[xbase + d0 + j]
                         for j in T.vectorized(VEC):
@@ -209,7 +193,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
                 gv = T.sqrt(T.max(T.abs(sv), clamp))
                 gv = T.if_then_else(sv > 0, gv, T.if_then_else(sv < 0, -gv, sv))
                 gv = T.float32(1.0) / (T.float32(1.0) + T.exp(-gv))
-                _cp_async_wait_all()
+                cp_async_wait_all()
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
@@ -374,8 +358,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
         for r in T.unroll(R):
             d0 = (r * threads + tx) * VEC
             if d0 < hidden:
-                _cp_async16(xs, (t % 2) * hidden + d0, X, xbase + d0)
-                _cp_async16(ks, (t % 2) * hidden + d0, K, kbase + d0)
+                cp_async16(T.address_of(xs[(t % 2) * hidden + d0]), T.address_of(X[xbase + d0]))
+                cp_async16(T.address_of(ks[(t % 2) * hidden + d0]), T.address_of(K[kbase + d0]))
 
     @T.macro
     def body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk):
@@ -487,7 +471,7 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 )
                 ca = dot * rx * rx / T.float32(hidden)
                 cb = dot * rk * rk / T.float32(hidden)
-                _cp_async_wait_all()
+                cp_async_wait_all()
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
