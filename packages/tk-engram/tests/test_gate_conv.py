@@ -235,8 +235,8 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
     if K.fwd_layout(d, FWD_PARAMS["vecs"])[1] * FWD_PARAMS["min_blocks"] <= 512:
         src = assert_compiles(K.gate_conv_fwd_kernel, arch, **fp)
     else:
-        # d = 7168: 2 CTAs of 448 threads cap ptxas at 72 registers; it spills ~56 bytes (L1-resident), and
-        # still beat 4 vectors per thread (no spills) on the H200.
+        # d = 7168: 2 CTAs of 448 threads cap ptxas at 72 registers; it spills 8 bytes (sm_90a) or 16-20 bytes
+        # (sm_100a), L1-resident, and still beat 4 vectors per thread (no spills) on the H200.
         src = K.gate_conv_fwd_kernel.compile(arch, **fp).get_kernel_source()
     assert "uint4" in src and "__expf" not in src and "__fdividef" not in src
     fused = K.fuse_dconv(d)
@@ -290,6 +290,7 @@ GPU_CASES = [  # (M, T, d, taps, dilation, dtype)
     (3, 130, 4096, 4, 1, torch.bfloat16),
     (1, 201, 7168, 4, 3, torch.bfloat16),
     (2, 5, 4096, 4, 3, torch.bfloat16),  # T < dilation*(w-1): zero history, partial state
+    (1, 70, 8192, 4, 2, torch.bfloat16),  # the forward reads w_h and w_v from global memory (no room in shared)
 ]
 
 
@@ -309,6 +310,24 @@ def test_gpu_fwd_matches_reference(M, T, d, taps, dilation, dtype):
     again = engram_gate_conv_fwd(*x, dilation=dilation)
     for o, p in zip(out, again, strict=False):
         assert_equal(o, p)
+
+
+@pytest.mark.gpu
+def test_gpu_fwd_silu_outside_the_fast_division_range():
+    """The forward divides by ``tk_div_fast`` only for vectors whose u all lie in [2**-64, 64] in magnitude: large
+    conv taps push many u past 64 and zero taps on some channels give u = 0 exactly, so the IEEE fallback runs
+    next to the fast path."""
+    H, k, v, wh, wv, cw = _inputs(2, 99, 1024, 4, torch.bfloat16, "cuda")
+    cw = (cw.float() * 60).to(cw.dtype)
+    cw[:, 100:164] = 0
+    ref = reference.gate_conv_fwd_ref(H, k, v, wh, wv, cw, 1, 1e-6)
+    u_big = (ref[0].float() - ref[1].float()).abs() > 64  # Y - vhat = silu(u), and silu(u) > 64 means u > 64
+    assert u_big.float().mean() > 0.05
+    out = engram_gate_conv_fwd(H, k, v, wh, wv, cw)
+    for name, o, r in zip(("Y", "vhat"), out, ref, strict=False):
+        assert not o.float().isnan().any(), name
+        torch.testing.assert_close(o.float(), r.float(), **_tol(torch.bfloat16), msg=name)
+    assert_equal(out[0][..., 100:164], out[1][..., 100:164])  # silu(0) = 0: Y = vhat + 0 exactly
 
 
 @pytest.mark.gpu

@@ -45,3 +45,45 @@ def cp_async16(smem_address, global_address):
 def cp_async_wait_all():
     """Waits until this thread's ``cp_async16`` copies have landed in shared memory."""
     return T.call_extern("handle", "tk_cp_async_wait_all")
+
+
+# The fast path of ``div.rn.f32`` as nvcc emits it (MUFU.RCP, one Newton step, quotient, exact remainder, one
+# correction), without its per-division range check (FCHK) and slow-path call (CALL, BSSY/BSYNC, and the constants
+# nvcc re-materializes around the call): about 6 of the ~30 instructions of a SiLU. It is exact only where the
+# caller proves it: for ``a / t`` with ``t = 1 + exp(-a)`` (SiLU) and ``|a|`` in ``[2**-64, 64]``, ``t`` is in
+# ``[1, 2**93)`` and every intermediate (``1/t``, ``a * r``, the remainder, ``|a / t|`` in ``[2**-87, 64]``) is
+# far from the subnormal and overflow ends that FCHK screens for: there ``div.rn`` returns this very sequence, so
+# the result is its IEEE quotient bit for bit. (Emulated exactly on the CPU with ``r0 = RN(1/t)``: equal to
+# ``RN(a / t)`` for every bf16 ``a`` in the range and ``t`` within an ulp of ``1 + exp(-a)``.)
+DIV_FAST = r"""
+__device__ __forceinline__ float tk_div_fast(float a, float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+  float q = __fmaf_rn(a, r, 0.0f);
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+}
+"""
+
+# |a| in [2**-64, 64] (zeros, larger |a|, inf and NaN take the IEEE division), tested on the float bits as
+# ``2 * bits - 2 * LO <= 2 * (HI - LO)`` in uint32 (doubling drops the sign bit): two instructions per element.
+FAST_DIV_LO = (127 - 64) << 23
+FAST_DIV_HI = (127 + 6) << 23
+
+
+def div_fast(a, b):
+    """``a / b`` by ``DIV_FAST`` (the kernel's prelude must contain it): the IEEE quotient only for SiLU's
+    ``b = 1 + exp(-a)`` with ``a`` in range (``fast_div_ok``)."""
+    return T.call_extern("float32", "tk_div_fast", a, b)
+
+
+def fast_div_key(a):
+    """The uint32 whose maximum over a group of values is at most ``fast_div_ok``'s bound exactly when every one
+    of them lies in the range of ``div_fast``."""
+    bits = T.reinterpret(a, "uint32")
+    return bits + bits - T.uint32(2 * FAST_DIV_LO)
+
+
+def fast_div_ok(key_max):
+    """Whether the group whose ``fast_div_key`` maximum is ``key_max`` may take ``div_fast``."""
+    return key_max <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO))

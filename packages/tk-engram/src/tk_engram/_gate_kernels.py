@@ -75,8 +75,8 @@ PASS_CONFIGS = {"tl.disable_safe_memory_legalize": True, "tl.disable_thread_stor
 
 # cp.async (``tk_core.ptx``): a thread only reads back the vectors it copied itself, after its own wait, so no
 # barrier orders a copy with its reader. Reusing a buffer is another matter (cp.async is not ordered with the
-# thread's earlier shared-memory reads of it): the backward copies into two stages by token parity and relies on
-# the per-token barrier between the two uses of a stage.
+# thread's earlier shared-memory reads of it): both kernels copy into two stages by token parity and rely on the
+# per-token barrier between the two uses of a stage.
 
 
 # Eight float32 values rounded to bf16 (round to nearest even, as the TileLang cast) and written with one 16-byte
@@ -110,7 +110,9 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
     sums are reduced over the warp (shuffles) and over the warps in a fixed order (shared memory,
     double-buffered by token parity: one barrier per token), then out = x + g * v is written. All loads of a
     token are issued before the first FMA (one memory round trip per token): x and k into registers, v (used
-    only after the barrier, so ptxas would sink a plain load) as cp.async copies into shared memory. The
+    only after the barrier, so ptxas would sink a plain load) as cp.async copies into shared memory, stage
+    t % 2, so that the barrier between tokens t - 1 and t + 1 orders a copy after the reads of its stage (as in
+    the backward: cp.async is not ordered with the thread's earlier shared-memory reads). The
     other CTAs on the SM keep DRAM busy meanwhile (a bulk L2 prefetch of the next token's rows by one thread
     measured 15-20% slower on the H200). ``blocks`` (0: the default ``fwd_blocks_per_sm``) sets the CTAs per
     SM the registers are capped for; the host sizes the grid to match.
@@ -132,7 +134,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
             xl = T.alloc_local((R, VEC), BF16)
             kl = T.alloc_local((R, VEC), BF16)
             vl = T.alloc_local((VEC,), BF16)
-            vs = T.alloc_shared((hidden,), BF16)
+            vs = T.alloc_shared((2 * hidden,), BF16)
             wl = T.alloc_local((VEC,), F32)
             acc = T.alloc_local((3,), F32)
             red = T.alloc_shared((2, W, 3), F32)
@@ -162,7 +164,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
-                        cp_async16(T.address_of(vs[d0]), T.address_of(V[vbase + d0]))
+                        cp_async16(T.address_of(vs[(t % 2) * hidden + d0]), T.address_of(V[vbase + d0]))
                         for j in T.vectorized(VEC):
                             xl[r, j] = X[xbase + d0 + j]
                         for j in T.vectorized(VEC):
@@ -198,7 +200,7 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
                         for j in T.vectorized(VEC):
-                            vl[j] = vs[d0 + j]
+                            vl[j] = vs[(t % 2) * hidden + d0 + j]
                         if masked:
                             # image tokens pass straight through, bit for bit
                             for j in T.vectorized(VEC):

@@ -65,6 +65,7 @@ from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
+from tk_core.ptx import DIV_FAST, div_fast, fast_div_key, fast_div_ok
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
@@ -125,23 +126,6 @@ def _sf_value(layout: str, s):
 
 # --- forward + per-token cast ---------------------------------------------------------------------
 
-# The fast path of ``div.rn.f32`` as nvcc emits it (MUFU.RCP, one Newton step, quotient, exact remainder, one
-# correction), without its per-division range check (FCHK) and slow-path call (CALL, BSSY/BSYNC, and the constants
-# nvcc re-materializes around the call): about 6 of the ~30 instructions of an element. The caller only takes it
-# for a chunk whose ``g`` all lie in ``[2**-64, 64]`` in magnitude, where ``t = 1 + exp(-g)`` is in ``[1, 2**93)``
-# and every intermediate (``1/t``, ``g * r``, the remainder, ``g / t`` >= 2**-65) is far from the subnormal and
-# overflow ends that FCHK screens for: there ``div.rn`` returns this very sequence, so the result is its IEEE
-# quotient bit for bit. (Emulated exactly on the CPU with ``r0 = RN(1/t)``: equal to ``RN(g / t)`` for every bf16
-# ``g`` in the range and ``t`` within an ulp of ``1 + exp(-g)``.)
-_DIV_FAST = r"""
-__device__ __forceinline__ float tk_div_fast(float a, float b) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-  float q = __fmaf_rn(a, r, 0.0f);
-  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
-}
-"""
 # Clamp counting on bf16 pairs (the loaded words, before widening): per pair, ``set.gt`` gives 1.0 or 0.0 in each
 # half and ``add`` accumulates (counts <= 256 per half are exact in bf16): ~3 instructions per element for the three
 # counts, against ~7 for predicate selects and integer adds. For bf16 ``x`` and ``c > 0``, ``x > c`` equals
@@ -162,27 +146,10 @@ __device__ __forceinline__ void tk_clamp_count2(unsigned* acc, const void* g, co
 }
 """
 
-# |g| in [2**-64, 64] (zeros, larger |g|, inf and NaN take IEEE division), tested on the float bits as
-# ``2 * bits - 2 * LO <= 2 * (HI - LO)`` in uint32 (doubling drops the sign bit): two instructions per element
-FAST_DIV_LO = (127 - 64) << 23
-FAST_DIV_HI = (127 + 6) << 23
-
-
-def _fast_div_key(g):
-    """The uint32 whose maximum over a chunk's gates is at most ``_fast_div_ok``'s bound exactly when every one of
-    them allows ``tk_div_fast``."""
-    gb = T.reinterpret(g, "uint32")
-    return gb + gb - T.uint32(2 * FAST_DIV_LO)
-
-
-def _fast_div_ok(key_max):
-    return key_max <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO))
-
-
 def _act(g, u, w, weighted: bool, fast: bool):
     """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``."""
     t = T.float32(1) + T.exp(-g)
-    a = (T.call_extern("float32", "tk_div_fast", g, t) if fast else g / t) * u
+    a = (div_fast(g, t) if fast else g / t) * u
     return a * w if weighted else a
 
 
@@ -225,7 +192,7 @@ def swiglu_fwd_token_kernel(
     finished together and their scale rules (~35 instructions, an IEEE division among them) run once: the lanes
     with bit ``b = lanes_per_group / 2`` set evaluate chunk ``2p+1``'s, the others chunk ``2p``'s, and one xor
     shuffle by ``b`` (within the group) hands each lane the other one. ``fast_div``: ``tk_div_fast`` for the
-    chunks whose gates allow it (see ``_DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
+    chunks whose gates allow it (see ``tk_core.ptx.DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
     multiplication by 1. ``min_blocks``: CTAs per SM the registers must allow. Clamp counts: ``_CLAMP_COUNT`` for
     bf16 inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way."""
     H = hidden
@@ -251,7 +218,7 @@ def swiglu_fwd_token_kernel(
     pair = pair_scales and split
     b = group // VEC // 2  # partner-lane bit within a group
     packed_cnt = count and split and in_dtype == "bfloat16"  # at most 64 elements per lane: bf16-exact counts
-    prelude = ((_DIV_FAST if fast_div else "") + (_CLAMP_COUNT if packed_cnt else "")) or None
+    prelude = ((DIV_FAST if fast_div else "") + (_CLAMP_COUNT if packed_cnt else "")) or None
 
     def in_range(col):
         return col < H if tail else True
@@ -370,11 +337,11 @@ def swiglu_fwd_token_kernel(
                                 if fast_div:
                                     gs[i] = g1
                                     us[i] = u1
-                                    dm[0] = T.max(dm[0], _fast_div_key(g1))
+                                    dm[0] = T.max(dm[0], fast_div_key(g1))
                                 else:
                                     v[c, i] = _act(g1, u1, wv[0], weighted, False)
                             if fast_div:
-                                if _fast_div_ok(dm[0]):
+                                if fast_div_ok(dm[0]):
                                     for i in T.unroll(VEC):
                                         v[c, i] = _act(gs[i], us[i], wv[0], weighted, True)
                                 else:
@@ -683,7 +650,7 @@ def swiglu_fwd_channel_kernel(
     min_blocks: int = MIN_BLOCKS,
     fast_div: bool = True,
 ):
-    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``_DIV_FAST``)."""
+    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``)."""
     H = hidden
     NT = T.dynamic("num_tokens")
     nm = T.dynamic("nm")
@@ -696,7 +663,7 @@ def swiglu_fwd_channel_kernel(
     SEGS = bm // 16
     n_out = T.dynamic("n_out")
     out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
-    prelude = _DIV_FAST if fast_div else None
+    prelude = DIV_FAST if fast_div else None
 
     @T.prim_func
     def main(
@@ -743,11 +710,11 @@ def swiglu_fwd_channel_kernel(
                     if fast_div:
                         gs[i] = g1
                         us[i] = u1
-                        dm[0] = T.max(dm[0], _fast_div_key(g1))
+                        dm[0] = T.max(dm[0], fast_div_key(g1))
                     else:
                         a[r, i] = T.cast(_act(g1, u1, None, False, False), "bfloat16")
                 if fast_div:
-                    if _fast_div_ok(dm[0]):
+                    if fast_div_ok(dm[0]):
                         for i in T.unroll(VEC):
                             a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
                     else:
