@@ -1,12 +1,14 @@
 """Compares tuning variants of the GateConv forward kernel in one GPU run (not a pytest file), then checks and
 times the backward as the public op runs it (one variant: ``bwd[default]``).
 
-    python3 packages/tk-engram/benchmarks/sweep_gate_conv.py [vecs,chunk,min_blocks[,early_v] ...]
+    python3 packages/tk-engram/benchmarks/sweep_gate_conv.py [vecs,chunk,min_blocks[,budget_kb[,fast_div]] ...]
 
-Each variant (16-byte vectors per thread, chain tokens per CTA, CTAs per SM for the register cap, 1 to load
-the next token's v before the barrier) is compiled in parallel, checked against ``reference.gate_conv_fwd_ref`` with the GPU-test tolerances on odd shapes
-(d=200 fp16 with 3 taps and dilation 2, an unaligned d=1000, T below the history, 1 token) and on the
-anchors, checked deterministic, then timed (CUPTI, L2 flushed) on the benchmark shapes of
+Each variant (16-byte vectors per thread, chain tokens per CTA, CTAs per SM for the register cap, KB of shared
+memory for the float32 weights and ring, 0 for the IEEE division instead of ``tk_div_fast``) is compiled in
+parallel, checked against ``reference.gate_conv_fwd_ref`` with the GPU-test tolerances on odd shapes (d=200 fp16
+with 3 taps and dilation 2, an unaligned d=1000, the same with conv taps large enough that most vectors take
+the IEEE division, T below the history, 1 token) and on the anchors, checked deterministic, then timed (CUPTI,
+L2 flushed) on the benchmark shapes of
 bench_gate_conv.py. ``anchor`` is the measured copy bandwidth, so ``ratio`` is the fraction of copy (target
 0.85). Bytes: ``gate_conv.fwd_roofline_bytes`` (each tensor once)."""
 
@@ -24,27 +26,33 @@ from tk_engram import engram_gate_conv_bwd, reference
 from tk_engram._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
 from tk_engram.gate_conv import CHUNK, bwd_roofline_bytes, fwd_roofline_bytes
 
-# vecs,chunk,min_blocks[,early_v]; first = the op default
-DEFAULT = ["2,32,2", "2,32,2,1", "1,32,2,1", "3,32,2"]
+# vecs,chunk,min_blocks[,budget_kb[,fast_div]]; first = the op default
+DEFAULT = ["2,32,2", "2,32,2,100", "2,32,2,74,0"]
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
-ODD = [  # (M, T, d, taps, dilation, dtype)
-    (2, 67, 200, 3, 2, torch.float16),
-    (3, 70, 1000, 4, 1, torch.bfloat16),
-    (2, 5, 4096, 4, 3, torch.bfloat16),
-    (1, 1, 7168, 4, 1, torch.bfloat16),
+ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
+    (2, 67, 200, 3, 2, torch.float16, 0.5),
+    (3, 70, 1000, 4, 1, torch.bfloat16, 0.5),
+    (3, 70, 1000, 4, 1, torch.bfloat16, 40.0),  # |u| > 64 in most vectors: the IEEE division
+    (2, 5, 4096, 4, 3, torch.bfloat16, 0.5),
+    (1, 1, 7168, 4, 1, torch.bfloat16, 0.5),
 ]
 TL = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def params(spec):
-    vecs, chunk, mb, *early = map(int, spec.split(","))
-    return dict(vecs=vecs, chunk=chunk, min_blocks=mb, early_v=bool(early and early[0]))
+    vecs, chunk, mb, *rest = map(int, spec.split(","))
+    p = dict(vecs=vecs, chunk=chunk, min_blocks=mb)
+    if rest:
+        p["budget"] = rest[0] * 1024
+    if len(rest) > 1:
+        p["fast_div"] = bool(rest[1])
+    return p
 
 
-def inputs(M, T, d, taps, dtype):
+def inputs(M, T, d, taps, dtype, conv_scale=0.5):
     g = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     return (g(M, T, d).to(dtype), g(M, T, d).to(dtype), g(M, T, d).to(dtype), (1 + 0.3 * g(d)).to(dtype),
-            (1 + 0.3 * g(d)).to(dtype), (0.5 * g(taps, d)).to(dtype))
+            (1 + 0.3 * g(d)).to(dtype), (conv_scale * g(taps, d)).to(dtype))
 
 
 def outputs(x, dilation):
@@ -114,7 +122,7 @@ def compile_serial(jobs):
 
 def main():
     specs = sys.argv[1:] or DEFAULT
-    cases = [(M, T, d, taps, dil, torch.bfloat16) for M, T, d, taps, dil in ANCHORS] + ODD
+    cases = [(M, T, d, taps, dil, torch.bfloat16) for M, T, d, taps, dil in ANCHORS] + [c[:6] for c in ODD]
     keys = sorted({(TL[dt], d, taps, dil) for _, _, d, taps, dil, dt in cases})
     jobs = [(s, key) for s in specs for key in keys]
     with ThreadPoolExecutor(2) as pool:  # the backward kernels compile while par_compile runs
@@ -133,8 +141,8 @@ def main():
             continue
         try:
             ok = True
-            for M, T, d, taps, dil, dt in ODD:
-                x = inputs(M, T, d, taps, dt)
+            for M, T, d, taps, dil, dt, cs in ODD:
+                x = inputs(M, T, d, taps, dt, cs)
                 k = ks[(spec, (TL[dt], d, taps, dil))]
                 out = [o.clone() for o in run(k, x, outputs(x, dil), dil)]
                 ok &= close(out, reference.gate_conv_fwd_ref(*x, dil, 1e-6), dt)

@@ -212,6 +212,9 @@ def test_row_layout():
         assert threads % 32 == 0 and threads <= 1024 and slots * threads * 8 >= d
     assert K.row_layout(4096) == (1, 512) and K.row_layout(7168) == (1, 896)
     assert K.fuse_dconv(4096) and not K.fuse_dconv(7168)
+    # the backward's shared memory: the drms_w accumulators leave it above ~7,600 columns, the rings above 10,240
+    assert K.bwd_shared_bytes(7168, 4, 2, False) <= K.MAX_SMEM < K.bwd_shared_bytes(8192, 4, 2, False)
+    assert K.bwd_fits(10240, 4, 2) and not K.bwd_fits(10304, 4, 2)
 
 
 # -------------------------------------------------------------------------------------------- compile tier
@@ -221,6 +224,7 @@ GC_VARIANTS = [  # (dtype, d, taps, dilation): tests (d=200) and benchmarks (409
     ("bfloat16", 4096, 4, 3),
     ("bfloat16", 7168, 4, 3),
     ("float16", 200, 3, 2),
+    ("bfloat16", 8192, 4, 2),  # backward: the drms_w accumulators in global memory
 ]
 
 
@@ -328,6 +332,18 @@ def test_gpu_fwd_silu_outside_the_fast_division_range():
         assert not o.float().isnan().any(), name
         torch.testing.assert_close(o.float(), r.float(), **_tol(torch.bfloat16), msg=name)
     assert_equal(out[0][..., 100:164], out[1][..., 100:164])  # silu(0) = 0: Y = vhat + 0 exactly
+
+
+@pytest.mark.gpu
+def test_gpu_bwd_rows_wider_than_the_kernel():
+    """d = 12288 does not fit the backward's shared-memory rings: the op runs the reference on the GPU."""
+    x = _inputs(1, 9, 12288, 4, torch.bfloat16, "cuda")
+    stats = engram_gate_conv_fwd(*x)[2:6]
+    dY = torch.randn(1, 9, 12288, device="cuda").to(torch.bfloat16)
+    out = engram_gate_conv_bwd(dY, *x, *stats)
+    ref = reference.gate_conv_bwd_ref(dY, *x, *stats, 1)
+    for o, r in zip(out, ref, strict=True):
+        assert o.shape == r.shape and o.dtype == r.dtype and calc_diff(o, r) < 1e-4
 
 
 @pytest.mark.gpu

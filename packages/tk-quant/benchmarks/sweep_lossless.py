@@ -2,8 +2,9 @@
 
     python3 packages/tk-quant/benchmarks/sweep_lossless.py [variant ...]
 
-Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread) and
-``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs) on every anchor line. Each variant is
+Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread),
+``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs) and ``seg`` (values per thread and
+row) on every anchor line. Each variant is
 compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32: out blocks 1x128,
 32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against ``tk_quant.reference`` (data, SF and the
 error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs with inadmissible scales, then timed
@@ -25,21 +26,24 @@ from tk_quant import reference
 from tk_quant.per_block_cast import alloc_sf_storage
 from tk_quant.per_block_cast_lossless import (
     PASSES,
+    SEG,
     _sf_flat,
     _tile,
     default_min_blocks,
+    op_min_blocks,
     per_block_cast_lossless,
     per_block_cast_lossless_kernel,
 )
 
-# name: kernel overrides (passes = rows per thread, min_blocks = CTAs per SM); {} is what the op launches:
-# 2 rows per thread (2-D blocks through shared memory), 4 CTAs per SM
+# name: kernel overrides (passes = rows per thread, min_blocks = CTAs per SM, seg = values per thread and row);
+# {} is what the op launches
 VARIANTS = {
-    "default": {},
-    "p4mb3": dict(passes=4, min_blocks=3),  # round 1's best 2-D tiling (80 registers allowed)
-    "p4": dict(passes=4, min_blocks=4),  # 32x32: a warp holds whole blocks (no shared memory)
-    "p8mb2": dict(passes=8, min_blocks=2),  # 128 B of data per thread in flight, fewer warps
-    "p1mb6": dict(passes=1, min_blocks=6),  # more warps, one row each (2-D at 40 registers: small spills)
+    "default": {},  # 16 values x 4 rows per thread, 3 CTAs per SM
+    "mb4": dict(min_blocks=4),
+    "p2": dict(passes=2),  # 128 x 128 still takes 4 rows (a tile holds a whole block row)
+    "p2mb5": dict(passes=2, min_blocks=5),  # 45 registers (1 x 128, 32 x 32)
+    "p8mb2": dict(passes=8, min_blocks=2),
+    "s32p2mb4": dict(seg=32, passes=2, min_blocks=4),  # session 3's kernel: 32 values x 2 rows
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -58,9 +62,13 @@ ODD = [(576, ob, pk, (False, False)) for ob, pk, _ in LINES] + [
 def params(h, ob, packed, in_packed, over, sms):
     """Kernel parameters as ``per_block_cast_lossless_`` passes them, with ``over`` on top."""
     passes = over.get("passes") or PASSES
-    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes)[2], ob[0])
+    seg = over.get("seg") or SEG
+    if over:
+        mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
+    else:
+        mb = op_min_blocks(*ob)
     return dict(hidden=h, bm_in=1, bk_in=32, in_kind="packed" if in_packed else "fp32", bm_out=ob[0], bk_out=ob[1],
-                layout="packed" if packed else "row", passes=passes, min_blocks=mb, ctas=sms * mb)
+                layout="packed" if packed else "row", passes=passes, min_blocks=mb, ctas=sms * mb, seg=seg)
 
 
 def fp4_input(t, h, in_sf=(False, False), bad=False):

@@ -15,8 +15,32 @@ import tilelang.language as T
 
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div
+from tk_core.ptx import DIV_FAST, div_fast, fast_div_key, fast_div_ok
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)
+
+# Element helpers of the GateConv kernels. bf16 -> float32 is exact: the low half of a packed pair is widened by one shift,
+# the high half by one mask (nvcc emits PRMT + SHF for the high half of a cast). Rounding goes in pairs (one
+# cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, round-to-nearest-even like the single conversion). fp16 keeps the cast
+# (one HADD2.F32 already).
+_BF16 = r"""
+#include <cuda_bf16.h>
+__device__ __forceinline__ float tk_gc_lo(const void* p) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(p) << 16);
+}
+__device__ __forceinline__ float tk_gc_hi(const void* p) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(p) & 0xffff0000u);
+}
+__device__ __forceinline__ void tk_gc_pack(void* p, float lo, float hi) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(lo, hi);
+}
+"""
+_FP16 = r"""
+#include <cuda_fp16.h>
+__device__ __forceinline__ void tk_gc_pack(void* p, float lo, float hi) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(lo, hi);
+}
+"""
 
 
 @T.macro
@@ -54,16 +78,44 @@ def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
     return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
 
 
+def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> tuple[int, bool]:
+    """(weight rows kept as float32 in shared memory, whether the n ring is float32) of the forward within
+    ``budget`` bytes of shared memory, greedily by instructions saved per byte: w_h**2 (about 1.9 per element
+    for 4 bytes), the float32 ring (about 0.9 per tap and element for 2 more bytes per tap), then w_v and the
+    conv taps (about 1 each for 4 bytes). Rows are taken in the order w_h**2, w_v, conv tap taps-1, taps-2, ...
+    The default budget keeps two CTAs per SM and leaves L1 room for the weights read from global memory
+    (d=4096: w_h**2 and the float32 ring, 65 KB per CTA; d=7168: w_h**2, 71 KB)."""
+    slots, threads = fwd_layout(d, vecs)
+    dp = slots * threads * VEC
+    R = max(taps - 1, 1)
+    used = R * dp * 2 + 1024
+    fw, ring32 = 0, False
+    if used + dp * 4 <= budget:
+        fw, used = 1, used + dp * 4
+    if used + R * dp * 2 <= budget:
+        ring32, used = True, used + R * dp * 2
+    while fw < 2 + taps and used + dp * 4 <= budget:
+        fw, used = fw + 1, used + dp * 4
+    return fw, ring32
+
+
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
-                         min_blocks: int = 2, early_v: bool = False):
+                         min_blocks: int = 2, budget: int = 74 * 1024, fast_div: bool = True):
     """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
     d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
     overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle
-    reduction (lanes, then the warps' partials read by one lane each: same fixed order in every thread), the
-    next token's H, k, v already in flight in registers, and the n history as 16-byte vectors in shared memory.
-    ``early_v`` issues the next token's v with its H and k instead of after the barrier (v in flight for a
-    whole token, at the cost of its registers across the reduction)."""
+    reduction (below), the next token's H and k already in flight in registers (its v is issued after the
+    barrier, when this token's H and k are dead: the register peak stays under the cap of ``min_blocks``), and
+    the n history as 16-byte vectors in shared memory.
+
+    The kernel is issue-bound, so each element takes as few instructions as bit-exact results allow: the
+    bf16 helpers above; w_h**2 (the product the row sum needs) and, as ``budget`` bytes of shared memory allow,
+    the n ring (n is already rounded, so its float32 value is exact), w_v and the conv taps as float32 in shared
+    memory (``fwd_smem_plan``), filled once per CTA: each thread reads back only the columns it wrote, so no
+    barrier is needed. ``fast_div``: SiLU's division by ``tk_div_fast`` for each 8-element vector whose u all
+    lie in its range, else the IEEE division. None of this changes a bit: the widening and float32 copies are
+    exact and every rounding, product and sum has the operands and order of the per-element formulas."""
     slots, threads = fwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -72,11 +124,34 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     HS = max(hist, 1)
     DP = slots * threads * VEC
     EV = slots * VEC
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
+    rdt = "float32" if ring32 else dtype
+    bf = dtype == "bfloat16"
+    # cross-warp sum: lane groups of G lanes (a power of two >= nwarps), QP of the 4 quantities per group
+    G = 8
+    while G < nwarps:
+        G *= 2
+    QP = max(1, 4 * G // 32)
+    g_offs = [G >> i for i in range(1, G.bit_length())]  # G/2, ..., 1
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")
     L = T.dynamic("seq_len")
     f32 = "float32"
+    prelude = (_BF16 if bf else _FP16) + (DIV_FAST if fast_div else "")
+
+    def lo(buf, i):  # element i (even) of a packed pair as float32
+        return T.call_extern(f32, "tk_gc_lo", T.address_of(buf[i])) if bf else T.cast(buf[i], f32)
+
+    def hi(buf, i):  # element i + 1
+        return T.call_extern(f32, "tk_gc_hi", T.address_of(buf[i])) if bf else T.cast(buf[i + 1], f32)
+
+    def pack(buf, i, a, b):  # buf[i], buf[i + 1] = round(a), round(b)
+        return T.evaluate(T.call_extern("handle", "tk_gc_pack", T.address_of(buf[i]), a, b))
+
+    def silu_pair(yo, uu, tt, vf, k, fast: bool):  # yo[2k], yo[2k+1] = u / t + vhat (t = 1 + exp(-u)), rounded
+        q = [div_fast(uu[e], tt[e]) if fast else uu[e] / tt[e] for e in (2 * k, 2 * k + 1)]
+        return pack(yo, 2 * k, q[0] + vf[2 * k], q[1] + vf[2 * k + 1])
 
     @T.prim_func
     def main(
@@ -95,19 +170,24 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
         state: T.Tensor((M, HS, d), dtype),
         eps: T.float32,
     ):
-        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bc, br, bm):
+        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads, prelude=prelude) as (bc, br, bm):
             T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
             warp = tx // 32
-            ring = T.alloc_shared((RS, DP), dtype)
+            ring = T.alloc_shared((RS, DP), rdt)
             red = T.alloc_shared((2, 4, 32), f32)
+            wsm = T.alloc_shared((max(NF, 1), DP), f32)
             tot = T.alloc_local((4,), f32)
             part = T.alloc_local((4,), f32)
+            sc4 = T.alloc_local((4,), f32)
             uu = T.alloc_local((VEC,), f32)
+            tt = T.alloc_local((VEC,), f32)
+            nf = T.alloc_local((VEC,), f32)
+            vf = T.alloc_local((VEC,), f32)
+            wf = T.alloc_local((VEC,), f32)
             wl = T.alloc_local((VEC,), dtype)
-            cw = T.alloc_local((VEC,), dtype)
-            rg = T.alloc_local((VEC,), dtype)
+            rg = T.alloc_local((VEC,), rdt)
             xh = T.alloc_local((EV,), dtype)
             xk = T.alloc_local((EV,), dtype)
             xv = T.alloc_local((EV,), dtype)
@@ -117,7 +197,28 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             yo = T.alloc_local((VEC,), dtype)
             vo = T.alloc_local((VEC,), dtype)
             no = T.alloc_local((VEC,), dtype)
+            dm = T.alloc_local((1,), "uint32")
             base = br + dilation * chunk * bc
+            # the float32 weight rows (w_h**2, w_v, tap taps-1, taps-2, ...), once per CTA
+            for s in T.unroll(slots):
+                c0 = (s * threads + tx) * VEC
+                if c0 < d:
+                    for p in T.unroll(NF, explicit=True):
+                        if p == 0:
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_h[c0 + e]
+                            for e in T.unroll(VEC):
+                                wsm[p, c0 + e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
+                        elif p == 1:
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_v[c0 + e]
+                            for e in T.unroll(VEC):
+                                wsm[p, c0 + e] = T.cast(wl[e], f32)
+                        else:
+                            for e in T.vectorized(VEC):
+                                wl[e] = conv_w[taps + 1 - p, c0 + e]
+                            for e in T.unroll(VEC):
+                                wsm[p, c0 + e] = T.cast(wl[e], f32)
             # the first token of the walk
             t0 = base - dilation * R
             if t0 >= 0 and t0 < L:
@@ -148,16 +249,13 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 nh[s * VEC + e] = H[bm, tn, c0 + e]
                             for e in T.vectorized(VEC):
                                 nk[s * VEC + e] = K[bm, tn, c0 + e]
-                            if early_v:
-                                for e in T.vectorized(VEC):
-                                    nv[s * VEC + e] = V[bm, tn, c0 + e]
                 if t < 0:
-                    if pre and not early_v:
+                    if pre:
                         load_row(nv, V, bm, tn, tx, slots, threads, d)
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         for e in T.vectorized(VEC):
-                            ring[slot, c0 + e] = T.cast(0, dtype)
+                            ring[slot, c0 + e] = T.cast(0, rdt)
                         if hist > 0:
                             if t >= L - hist and c0 < d:
                                 for e in T.vectorized(VEC):
@@ -168,28 +266,54 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_h[c0 + e]
-                            for e in T.unroll(VEC):
-                                hv = T.cast(xh[s * VEC + e], f32)
-                                kv = T.cast(xk[s * VEC + e], f32)
-                                vv = T.cast(xv[s * VEC + e], f32)
-                                wh = T.cast(wl[e], f32)
-                                add_row_sums(part, hv, kv, vv, wh)
-                    for q in T.unroll(4):
-                        part[q] = T.warp_reduce_sum(part[q])
-                    if lane == 0:
-                        for q in T.unroll(4):
-                            red[rb, q, warp] = part[q]
+                            if NF > 0:
+                                for e in T.vectorized(VEC):
+                                    wf[e] = wsm[0, c0 + e]
+                            else:
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_h[c0 + e]
+                                for e in T.unroll(VEC):
+                                    wf[e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
+                            for k in T.unroll(VEC // 2):
+                                for j in T.unroll(2, explicit=True):
+                                    i = s * VEC + 2 * k
+                                    hv = lo(xh, i) if j == 0 else hi(xh, i)
+                                    kv = lo(xk, i) if j == 0 else hi(xk, i)
+                                    vv = lo(xv, i) if j == 0 else hi(xv, i)
+                                    part[0] += hv * hv
+                                    part[1] += kv * kv
+                                    part[2] += hv * kv * wf[2 * k + j]
+                                    part[3] += vv * vv
+                    # Per warp, a reduce-scatter: lane bit 4 picks (q0, q1) or (q2, q3), bit 3 one of the pair, and
+                    # each add is the v_i + v_(i^m) of tl::warp_reduce_sum's butterfly, so every quantity gets that
+                    # addition tree (6 shuffles instead of 20); lanes 0, 8, 16, 24 hold the four sums.
+                    b4 = T.bitwise_and(lane, 16) != 0
+                    b3 = T.bitwise_and(lane, 8) != 0
+                    sc4[0] = T.if_then_else(b4, part[2], part[0]) + T.shfl_xor(T.if_then_else(b4, part[0], part[2]), 16)
+                    sc4[1] = T.if_then_else(b4, part[3], part[1]) + T.shfl_xor(T.if_then_else(b4, part[1], part[3]), 16)
+                    sc4[2] = T.if_then_else(b3, sc4[1], sc4[0]) + T.shfl_xor(T.if_then_else(b3, sc4[0], sc4[1]), 8)
+                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 4)
+                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 2)
+                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 1)
+                    if T.truncmod(lane, 8) == 0:
+                        red[rb, T.truncdiv(lane, 8), warp] = sc4[2]
                     T.sync_threads()
-                    # the next token's v only now (unless ``early_v``): H and k of this token are dead, which keeps
-                    # the register peak under the 2-CTA/SM cap (128)
-                    if pre and not early_v:
+                    if pre:
                         load_row(nv, V, bm, tn, tx, slots, threads, d)
-                    for q in T.unroll(4):
-                        tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
-                    for q in T.unroll(4):
-                        tot[q] = T.warp_reduce_sum(tot[q])
+                    # Across warps: lane group g (G lanes) sums quantities g*QP .. g*QP+QP-1 by a G-lane butterfly,
+                    # then every lane takes the four sums from the groups' first lanes. A 32-lane butterfly over
+                    # the nwarps partials would only add the zeros of lanes >= nwarps, which changes nothing but
+                    # the sign of a zero sum (no effect on alpha or the rsqrt): the same bits in every thread.
+                    gw = T.truncmod(lane, G)
+                    gq = T.truncdiv(lane, G)
+                    for j in T.unroll(QP):
+                        sc4[j] = T.if_then_else(gw < nwarps and gq * QP + j < 4,
+                                                red[rb, T.min(gq * QP + j, 3), gw], T.float32(0))
+                    for off in g_offs:
+                        for j in T.unroll(QP):
+                            sc4[j] = sc4[j] + T.shfl_xor(sc4[j], off)
+                    for q in T.unroll(4, explicit=True):
+                        tot[q] = T.shfl_sync(sc4[q % QP], (q // QP) * G)
                     r_h = T.rsqrt(tot[0] * inv_d + eps)
                     r_k = T.rsqrt(tot[1] * inv_d + eps)
                     sc = r_h * r_k * tot[2] * inv_sqrt_d
@@ -203,26 +327,73 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_v[c0 + e]
-                            for e in T.vectorized(VEC):
-                                cw[e] = conv_w[taps - 1, c0 + e]
+                            if NF > 1:
+                                for e in T.vectorized(VEC):
+                                    wf[e] = wsm[1, c0 + e]
+                            else:
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_v[c0 + e]
+                                for k in T.unroll(VEC // 2):
+                                    wf[2 * k] = lo(wl, 2 * k)
+                                    wf[2 * k + 1] = hi(wl, 2 * k)
+                            # n rounded in pairs, then widened back from the packed pair
+                            for k in T.unroll(VEC // 2):
+                                i = s * VEC + 2 * k
+                                pack(no, 2 * k, a * lo(xv, i) * wf[2 * k] * r_v, a * hi(xv, i) * wf[2 * k + 1] * r_v)
+                            for k in T.unroll(VEC // 2):
+                                nf[2 * k] = lo(no, 2 * k)
+                                nf[2 * k + 1] = hi(no, 2 * k)
+                            for q in T.unroll(taps, explicit=True):
+                                # tap taps-1-q times n of q chain steps back (q = 0: this token)
+                                if NF > 2 + q:
+                                    for e in T.vectorized(VEC):
+                                        wf[e] = wsm[2 + q, c0 + e]
+                                else:
+                                    for e in T.vectorized(VEC):
+                                        wl[e] = conv_w[taps - 1 - q, c0 + e]
+                                    for k in T.unroll(VEC // 2):
+                                        wf[2 * k] = lo(wl, 2 * k)
+                                        wf[2 * k + 1] = hi(wl, 2 * k)
+                                if q == 0:
+                                    for e in T.unroll(VEC):
+                                        uu[e] = wf[e] * nf[e]
+                                else:
+                                    for e in T.vectorized(VEC):
+                                        rg[e] = ring[T.truncmod(it - q + RS * taps, RS), c0 + e]
+                                    if ring32:
+                                        for e in T.unroll(VEC):
+                                            uu[e] += wf[e] * rg[e]
+                                    else:
+                                        for k in T.unroll(VEC // 2):
+                                            uu[2 * k] += wf[2 * k] * lo(rg, 2 * k)
+                                            uu[2 * k + 1] += wf[2 * k + 1] * hi(rg, 2 * k)
                             for e in T.unroll(VEC):
-                                no[e] = T.cast(a * T.cast(xv[s * VEC + e], f32) * T.cast(wl[e], f32) * r_v, dtype)
-                                uu[e] = T.cast(cw[e], f32) * T.cast(no[e], f32)
-                            for q in T.unroll(1, taps):
-                                for e in T.vectorized(VEC):
-                                    cw[e] = conv_w[taps - 1 - q, c0 + e]
-                                for e in T.vectorized(VEC):
-                                    rg[e] = ring[T.truncmod(it - q + RS * taps, RS), c0 + e]
+                                tt[e] = T.float32(1) + T.exp(-uu[e])
+                            for k in T.unroll(VEC // 2):
+                                i = s * VEC + 2 * k
+                                vf[2 * k] = a * lo(xv, i)
+                                vf[2 * k + 1] = a * hi(xv, i)
+                                pack(vo, 2 * k, vf[2 * k], vf[2 * k + 1])
+                            # Y = u / (1 + exp(-u)) + vhat
+                            if fast_div:
+                                dm[0] = T.uint32(0)
                                 for e in T.unroll(VEC):
-                                    uu[e] += T.cast(cw[e], f32) * T.cast(rg[e], f32)
-                            for e in T.unroll(VEC):
-                                vh = a * T.cast(xv[s * VEC + e], f32)
-                                vo[e] = T.cast(vh, dtype)
-                                yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
-                            for e in T.vectorized(VEC):
-                                ring[slot, c0 + e] = no[e]
+                                    dm[0] = T.max(dm[0], fast_div_key(uu[e]))
+                                if fast_div_ok(dm[0]):
+                                    for k in T.unroll(VEC // 2):
+                                        silu_pair(yo, uu, tt, vf, k, True)
+                                else:
+                                    for k in T.unroll(VEC // 2):
+                                        silu_pair(yo, uu, tt, vf, k, False)
+                            else:
+                                for k in T.unroll(VEC // 2):
+                                    silu_pair(yo, uu, tt, vf, k, False)
+                            if ring32:
+                                for e in T.vectorized(VEC):
+                                    ring[slot, c0 + e] = nf[e]
+                            else:
+                                for e in T.vectorized(VEC):
+                                    ring[slot, c0 + e] = no[e]
                             if it >= R:
                                 for e in T.vectorized(VEC):
                                     Y[bm, t, c0 + e] = yo[e]
@@ -254,12 +425,83 @@ def load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps: int, EV: int):
             cw[p * EV + s * VEC + e] = conv_w[p, c0 + e]
 
 
+MAX_SMEM = 227 * 1024  # shared memory a CTA may use on sm_90 and sm_100
+
+
+def bwd_shared_bytes(d: int, taps: int, vecs: int, with_dconv: bool, acc_shared: bool = True) -> int:
+    """Shared memory of the backward: the n ring (taps-1 rows of
+    d), the g_u ring (taps float32 rows), the drms_w accumulators (2 float32 rows, if ``acc_shared``), the
+    dconv_w accumulators (taps float32 rows, if ``with_dconv``) and the reduction scratch."""
+    slots, threads = bwd_layout(d, vecs)
+    DP = slots * threads * VEC
+    rows32 = taps + (2 if acc_shared else 0) + (taps if with_dconv else 0)
+    return max(taps - 1, 1) * DP * 2 + rows32 * DP * 4 + 4 * 1024
+
+
+def bwd_fits(d: int, taps: int, vecs: int) -> bool:
+    """Whether the backward kernel's rings fit in shared memory (bf16/fp16, with the drms_w accumulators moved
+    to global memory if need be): up to d = 10,240 at 4 taps. Wider rows run the reference on the GPU."""
+    return bwd_shared_bytes(d, taps, vecs, fuse_dconv(d), acc_shared=False) <= MAX_SMEM
+
+
 def bwd_layout(d: int, vecs: int) -> tuple[int, int]:
     """(slots, threads) of the backward: ``vecs`` 16-byte vectors per thread (more if 1024 threads would not
     cover d), threads a multiple of 32."""
     nvec = ceil_div(d, VEC)
     slots = max(vecs, ceil_div(nvec, 1024))
     return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
+
+
+# The backward's SiLU reciprocal 1 / b, b = 1 + exp(-u) >= 1. nvcc compiles the IEEE ``1.0f / b`` (rcp.rn.f32) to
+# rcp.approx + two FMAs behind an exponent test that sends b >= 2**126 (and inf, NaN) to a slow-path call;
+# ``tk_rcp_fast`` is that fast path without the test (fma(-b, r, 1) is nvcc's -(b*r - 1): rounding is symmetric
+# and a zero's sign cannot change r*t + r). A vector whose 8 denominators are all below 2**126 (one unsigned max
+# per element on the bits) takes it and gets nvcc's bits; other vectors keep the division.
+_RCP_FAST = r"""
+__device__ __forceinline__ float tk_rcp_fast(float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+}
+"""
+RCP_FAST_BITS = (127 + 126) << 23  # the bits of 2**126
+
+
+def bwd_elementwise(dtype: str):
+    """(prelude, el, pack, sigmoid) of the backward kernels. ``el(buf, i0, k, j)``: element i0 + 2k + j (i0 even,
+    j in an explicitly unrolled loop, so the choice folds) of a 16-bit buffer as float32, by ``tk_gc_lo/hi`` for
+    bfloat16. ``pack(buf, i, a, b)``: rounds
+    a pair into buf[i], buf[i + 1]. ``sigmoid(sg, uu, tt, km)``: sg[e] = 1 / (1 + exp(-uu[e])) for the 8
+    elements (the same expf and correctly rounded reciprocal as ``1 / (1 + exp(-u))``; tt, km are scratch)."""
+    bf = dtype == "bfloat16"
+    f32 = "float32"
+
+    def el(buf, i0, k, j):
+        if not bf:
+            return T.cast(buf[i0 + 2 * k + j], f32)
+        p = T.address_of(buf[i0 + 2 * k])
+        if isinstance(j, int):
+            return T.call_extern(f32, "tk_gc_hi" if j else "tk_gc_lo", p)
+        return T.if_then_else(j == 0, T.call_extern(f32, "tk_gc_lo", p), T.call_extern(f32, "tk_gc_hi", p))
+
+    def pack(buf, i, a, b):
+        return T.evaluate(T.call_extern("handle", "tk_gc_pack", T.address_of(buf[i]), a, b))
+
+    @T.macro
+    def sigmoid(sg, uu, tt, km):
+        for e in T.unroll(VEC):
+            tt[e] = T.float32(1) + T.exp(-uu[e])
+        km[0] = T.reinterpret(tt[0], "uint32")
+        for e in T.unroll(1, VEC):
+            km[0] = T.max(km[0], T.reinterpret(tt[e], "uint32"))
+        if km[0] < T.uint32(RCP_FAST_BITS):
+            for e in T.unroll(VEC):
+                sg[e] = T.call_extern(f32, "tk_rcp_fast", tt[e])
+        else:
+            for e in T.unroll(VEC):
+                sg[e] = T.float32(1) / tt[e]
+
+    return (_BF16 if bf else _FP16) + _RCP_FAST, el, pack, sigmoid
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
@@ -277,7 +519,12 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     accumulators live in shared memory and move as 16-byte vectors. ``hoist_w`` loads the weights once per
     iteration, with the rows; otherwise each stage loads its slot's weights where it uses them (L1 hits), which
     lowers the register peak (no spills at d=4096 on sm_90a and sm_100a). ``ahead=False`` issues stage A's rows with stage
-    B's at the top of their own iteration (8 registers fewer per vector, still one round trip per iteration)."""
+    B's at the top of their own iteration (8 registers fewer per vector, still one round trip per iteration).
+
+    The kernel is issue-bound, so each element takes as few instructions as bit-exact results allow (every
+    rounding, product and sum has the operands and order of the per-element formulas): ``bwd_elementwise``'s
+    widening, pair rounding of n, the gated fast reciprocal and reduce-scatter butterflies for the four row
+    sums."""
     slots, threads = bwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -285,12 +532,30 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     DP = slots * threads * VEC
     EV = slots * VEC
     NPW = 2 + taps if with_dconv else 2
+    # Rows wider than ~7,600 (4 taps) leave no room for the drms_w accumulators in shared memory: they then
+    # accumulate in the CTA's own row of ``part`` (L2-resident read-modify-writes of its own columns).
+    acc_global = bwd_shared_bytes(d, taps, vecs, with_dconv) > MAX_SMEM
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")
     L = T.dynamic("seq_len")
     NP = T.dynamic("num_parts")
     f32 = "float32"
+    prelude, el, pack, sigmoid = bwd_elementwise(dtype)
+
+    @T.macro
+    def row_sums(sc, v, lane):
+        """Per warp, a reduce-scatter of the 4 quantities v[0..4): lane bit 4 picks (v0, v1) or (v2, v3), bit 3
+        one of the pair; each add is the v_l + v_(l^m) of tl::warp_reduce_sum's butterfly (offsets 16 .. 1),
+        so every sum has its addition tree (6 shuffles instead of 20). Lane 8q ends with sum q in sc[2]."""
+        b4 = T.bitwise_and(lane, 16) != 0
+        b3 = T.bitwise_and(lane, 8) != 0
+        sc[0] = T.if_then_else(b4, v[2], v[0]) + T.shfl_xor(T.if_then_else(b4, v[0], v[2]), 16)
+        sc[1] = T.if_then_else(b4, v[3], v[1]) + T.shfl_xor(T.if_then_else(b4, v[1], v[3]), 16)
+        sc[2] = T.if_then_else(b3, sc[1], sc[0]) + T.shfl_xor(T.if_then_else(b3, sc[0], sc[1]), 8)
+        sc[2] = sc[2] + T.shfl_xor(sc[2], 4)
+        sc[2] = sc[2] + T.shfl_xor(sc[2], 2)
+        sc[2] = sc[2] + T.shfl_xor(sc[2], 1)
 
     @T.prim_func
     def main(
@@ -310,18 +575,19 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
         dV: T.Tensor((M, L, d), dtype),
         part: T.Tensor((NP, NPW, d), f32),
     ):
-        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bc, br, bm):
+        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads, prelude=prelude) as (bc, br, bm):
             tx = T.get_thread_binding()
             lane = tx % 32
             warp = tx // 32
             ring_n = T.alloc_shared((RS, DP), dtype)
             ring_g = T.alloc_shared((taps, DP), f32)
-            accw = T.alloc_shared((2, DP), f32)
+            accw = T.alloc_shared((1, 32) if acc_global else (2, DP), f32)
             # dconv_w accumulators in shared memory: 32 registers fewer per vector than in registers
             dacc = T.alloc_shared((taps if with_dconv else 1, DP), f32)
             red = T.alloc_shared((2, 4, 32), f32)
             tot = T.alloc_local((4,), f32)
             ps = T.alloc_local((4,), f32)
+            sc = T.alloc_local((3,), f32)
             gn = T.alloc_local((EV,), f32)
             av = T.alloc_local((EV,), dtype)
             ad = T.alloc_local((EV,), dtype)
@@ -341,16 +607,25 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             oa = T.alloc_local((VEC,), dtype)
             ob = T.alloc_local((VEC,), dtype)
             oc = T.alloc_local((VEC,), dtype)
-            uu = T.alloc_local((1,), f32)
+            uu = T.alloc_local((VEC,), f32)
+            tt = T.alloc_local((VEC,), f32)
+            sg = T.alloc_local((VEC,), f32)
+            km = T.alloc_local((1,), "uint32")
             nch = T.ceildiv(L, dilation * chunk)
             base = br + dilation * chunk * bc
+            pid = (bm * dilation + br) * nch + bc
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
                 for e in T.vectorized(VEC):
                     aw[e] = T.float32(0)
                 for p in T.unroll(2):
-                    for e in T.vectorized(VEC):
-                        accw[p, c0 + e] = aw[e]
+                    if acc_global:
+                        if c0 < d:
+                            for e in T.vectorized(VEC):
+                                part[pid, p, c0 + e] = aw[e]
+                    else:
+                        for e in T.vectorized(VEC):
+                            accw[p, c0 + e] = aw[e]
                 if with_dconv:
                     for p in T.unroll(taps):
                         for e in T.vectorized(VEC):
@@ -406,29 +681,37 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
                                     rn[(q - 1) * VEC + e] = ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e]
-                            for e in T.unroll(VEC):
-                                nn[e] = T.cast(a * T.cast(av[s * VEC + e], f32) * T.cast(wm[s * VEC + e], f32) * rv,
-                                               dtype)
-                                uu[0] = T.cast(cw[(taps - 1) * EV + s * VEC + e], f32) * T.cast(nn[e], f32)
-                                for q in T.unroll(1, taps):
-                                    uu[0] += T.cast(cw[(taps - 1 - q) * EV + s * VEC + e], f32) * T.cast(
-                                        rn[(q - 1) * VEC + e], f32
-                                    )
-                                sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
-                                gv[e] = T.cast(ad[s * VEC + e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
+                            for k in T.unroll(VEC // 2):
+                                pack(nn, 2 * k, a * el(av, s * VEC, k, 0) * el(wm, s * VEC, k, 0) * rv,
+                                     a * el(av, s * VEC, k, 1) * el(wm, s * VEC, k, 1) * rv)
+                            for k in T.unroll(VEC // 2):
+                                for j in T.unroll(2, explicit=True):
+                                    e = 2 * k + j
+                                    uu[e] = el(cw, (taps - 1) * EV + s * VEC, k, j) * el(nn, 0, k, j)
+                                    for q in T.unroll(1, taps):
+                                        uu[e] += el(cw, (taps - 1 - q) * EV + s * VEC, k, j) * el(rn, (q - 1) * VEC, k, j)
+                            sigmoid(sg, uu, tt, km)
+                            for k in T.unroll(VEC // 2):
+                                for j in T.unroll(2, explicit=True):
+                                    e = 2 * k + j
+                                    gv[e] = el(ad, s * VEC, k, j) * (sg[e] * (T.float32(1) + uu[e] * (T.float32(1) - sg[e])))
                             if with_dconv:
                                 if it >= R and it < R + chunk:
                                     for e in T.vectorized(VEC):
                                         aw[e] = dacc[taps - 1, c0 + e]
-                                    for e in T.unroll(VEC):
-                                        aw[e] += gv[e] * T.cast(nn[e], f32)
+                                    for k in T.unroll(VEC // 2):
+                                        for j in T.unroll(2, explicit=True):
+                                            e = 2 * k + j
+                                            aw[e] += gv[e] * el(nn, 0, k, j)
                                     for e in T.vectorized(VEC):
                                         dacc[taps - 1, c0 + e] = aw[e]
                                     for q in T.unroll(1, taps):
                                         for e in T.vectorized(VEC):
                                             aw[e] = dacc[taps - 1 - q, c0 + e]
-                                        for e in T.unroll(VEC):
-                                            aw[e] += gv[e] * T.cast(rn[(q - 1) * VEC + e], f32)
+                                        for k in T.unroll(VEC // 2):
+                                            for j in T.unroll(2, explicit=True):
+                                                e = 2 * k + j
+                                                aw[e] += gv[e] * el(rn, (q - 1) * VEC, k, j)
                                         for e in T.vectorized(VEC):
                                             dacc[taps - 1 - q, c0 + e] = aw[e]
                             for e in T.vectorized(VEC):
@@ -460,29 +743,32 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for q in T.unroll(taps):
                                 for e in T.vectorized(VEC):
                                     gv[e] = ring_g[T.truncmod(it - R + q + taps * taps, taps), c0 + e]
-                                for e in T.unroll(VEC):
-                                    gn[s * VEC + e] += T.cast(cw[(taps - 1 - q) * EV + s * VEC + e], f32) * gv[e]
-                            for e in T.unroll(VEC):
-                                vv = T.cast(xc[s * VEC + e], f32)
-                                wh = T.cast(wl[s * VEC + e], f32)
-                                ps[0] += T.cast(wm[s * VEC + e], f32) * gn[s * VEC + e] * vv
-                                ps[1] += vv * vv
-                                ps[2] += T.cast(xd[s * VEC + e], f32) * vv
-                                ps[3] += T.cast(xa[s * VEC + e], f32) * T.cast(xb[s * VEC + e], f32) * (wh * wh)
-                    # CTA-wide sums: lanes, then the warps' partials read by one lane each and summed by the
-                    # same shuffle tree (fixed order, identical in every thread); ``red`` is double-buffered,
-                    # so one barrier per token suffices.
+                                for k in T.unroll(VEC // 2):
+                                    for j in T.unroll(2, explicit=True):
+                                        e = 2 * k + j
+                                        gn[s * VEC + e] += el(cw, (taps - 1 - q) * EV + s * VEC, k, j) * gv[e]
+                            for k in T.unroll(VEC // 2):
+                                for j in T.unroll(2, explicit=True):
+                                    e = 2 * k + j
+                                    vv = el(xc, s * VEC, k, j)
+                                    ps[0] += el(wm, s * VEC, k, j) * gn[s * VEC + e] * vv
+                                    ps[1] += vv * vv
+                                    ps[2] += el(xd, s * VEC, k, j) * vv
+                                    ps[3] += el(xa, s * VEC, k, j) * el(xb, s * VEC, k, j) * (el(wl, s * VEC, k, j) * el(wl, s * VEC, k, j))
+                    # CTA-wide sums: the warps' reduce-scatter, then the warps' partials (zeros past nwarps) by
+                    # the same reduce-scatter in every warp and a broadcast from lanes 0, 8, 16, 24: the addition
+                    # tree of warp_reduce_sum on both levels (fixed order, identical in every thread). ``red``
+                    # is double-buffered, so one barrier per token suffices.
                     rb = T.truncmod(it, 2)
-                    for q in T.unroll(4):
-                        ps[q] = T.warp_reduce_sum(ps[q])
-                    if lane == 0:
-                        for q in T.unroll(4):
-                            red[rb, q, warp] = ps[q]
+                    row_sums(sc, ps, lane)
+                    if T.truncmod(lane, 8) == 0:
+                        red[rb, T.truncdiv(lane, 8), warp] = sc[2]
                     T.sync_threads()
                     for q in T.unroll(4):
                         tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
-                    for q in T.unroll(4):
-                        tot[q] = T.warp_reduce_sum(tot[q])
+                    row_sums(sc, tot, lane)
+                    for q in T.unroll(4, explicit=True):
+                        tot[q] = T.shfl_sync(sc[2], q * 8)
                     c1 = rv * rv * rv * (a * tot[0]) * inv_d
                     ga = rv * tot[0] - c1 * a * tot[1] + tot[2]
                     cc = ga * a * (T.float32(1) - a) * inv_sqrt_d * rh * rk
@@ -493,40 +779,48 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         if c0 < d:
                             for p in T.unroll(2):
                                 for e in T.vectorized(VEC):
-                                    aw[e] = accw[p, c0 + e]
-                                for e in T.unroll(VEC):
-                                    hv = T.cast(xa[s * VEC + e], f32)
-                                    kv = T.cast(xb[s * VEC + e], f32)
-                                    vh = a * T.cast(xc[s * VEC + e], f32)
-                                    if p == 0:
-                                        aw[e] += cc * hv * kv
-                                    else:
-                                        aw[e] += gn[s * VEC + e] * vh * rv
-                                for e in T.vectorized(VEC):
-                                    accw[p, c0 + e] = aw[e]
-                            for e in T.unroll(VEC):
-                                hv = T.cast(xa[s * VEC + e], f32)
-                                kv = T.cast(xb[s * VEC + e], f32)
-                                vh = a * T.cast(xc[s * VEC + e], f32)
-                                wh = T.cast(wl[s * VEC + e], f32)
-                                g = gn[s * VEC + e]
-                                gvh = rv * T.cast(wm[s * VEC + e], f32) * g - c1 * vh + T.cast(xd[s * VEC + e], f32)
-                                oc[e] = T.cast(a * gvh, dtype)
-                                oa[e] = T.cast(cc * (wh * wh * kv - ch * hv), dtype)
-                                ob[e] = T.cast(cc * (wh * wh * hv - ck * kv), dtype)
+                                    aw[e] = part[pid, p, c0 + e] if acc_global else accw[p, c0 + e]
+                                for k in T.unroll(VEC // 2):
+                                    for j in T.unroll(2, explicit=True):
+                                        e = 2 * k + j
+                                        hv = el(xa, s * VEC, k, j)
+                                        kv = el(xb, s * VEC, k, j)
+                                        vh = a * el(xc, s * VEC, k, j)
+                                        if p == 0:
+                                            aw[e] += cc * hv * kv
+                                        else:
+                                            aw[e] += gn[s * VEC + e] * vh * rv
+                                if acc_global:
+                                    for e in T.vectorized(VEC):
+                                        part[pid, p, c0 + e] = aw[e]
+                                else:
+                                    for e in T.vectorized(VEC):
+                                        accw[p, c0 + e] = aw[e]
+                            for k in T.unroll(VEC // 2):
+                                for j in T.unroll(2, explicit=True):
+                                    e = 2 * k + j
+                                    hv = el(xa, s * VEC, k, j)
+                                    kv = el(xb, s * VEC, k, j)
+                                    vh = a * el(xc, s * VEC, k, j)
+                                    w2 = el(wl, s * VEC, k, j) * el(wl, s * VEC, k, j)
+                                    g = gn[s * VEC + e]
+                                    gvh = rv * el(wm, s * VEC, k, j) * g - c1 * vh + el(xd, s * VEC, k, j)
+                                    oc[e] = T.cast(a * gvh, dtype)
+                                    oa[e] = T.cast(cc * (w2 * kv - ch * hv), dtype)
+                                    ob[e] = T.cast(cc * (w2 * hv - ck * kv), dtype)
                             for e in T.vectorized(VEC):
                                 dH[bm, ti, c0 + e] = oa[e]
                             for e in T.vectorized(VEC):
                                 dK[bm, ti, c0 + e] = ob[e]
                             for e in T.vectorized(VEC):
                                 dV[bm, ti, c0 + e] = oc[e]
-            pid = (bm * dilation + br) * nch + bc
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
                 if c0 < d:
-                    for p in T.unroll(2):
-                        for e in T.vectorized(VEC):
-                            part[pid, p, c0 + e] = accw[p, c0 + e]
+                    if not acc_global:
+                        for p in T.unroll(2):
+                            for e in T.vectorized(VEC):
+                                part[pid, p, c0 + e] = accw[p, c0 + e]
                     if with_dconv:
                         for p in T.unroll(taps):
                             for e in T.vectorized(VEC):
@@ -543,7 +837,7 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
     ``part[cta, p, :] = sum_t g_u[t] * n[t - (taps-1-p)*dilation]`` for their columns. Each thread's next
     V and dY vectors are loaded one token ahead, so a load is always in flight behind the serial chain; the
     chunk (independent of the main kernel's) sets the grid: 128 tokens give one wave at d=7168 with
-    ``min_blocks`` CTAs per SM (a register cap)."""
+    ``min_blocks`` CTAs per SM (a register cap). Element math as in the main kernel (``bwd_elementwise``)."""
     R = taps - 1
     RS = max(R, 1)
     NCB = ceil_div(d, VEC * threads)
@@ -551,6 +845,7 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
     L = T.dynamic("seq_len")
     NP = T.dynamic("num_parts")
     f32 = "float32"
+    prelude, el, pack, sigmoid = bwd_elementwise(dtype)
 
     @T.prim_func
     def main(
@@ -562,7 +857,7 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
         rr_v: T.Tensor((M, L), f32),
         part: T.Tensor((NP, taps, d), f32),
     ):
-        with T.Kernel(NCB * T.ceildiv(L, dilation * chunk), dilation, M, threads=threads) as (bx, br, bm):
+        with T.Kernel(NCB * T.ceildiv(L, dilation * chunk), dilation, M, threads=threads, prelude=prelude) as (bx, br, bm):
             T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             ring = T.alloc_local((RS * VEC,), dtype)  # n is rounded to dtype: exact, half the registers
@@ -573,8 +868,12 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
             nd = T.alloc_local((VEC,), dtype)
             wm = T.alloc_local((VEC,), dtype)
             cw = T.alloc_local((taps * VEC,), dtype)
+            nb = T.alloc_local((VEC,), dtype)
             nn = T.alloc_local((VEC,), f32)
-            uu = T.alloc_local((1,), f32)
+            uu = T.alloc_local((VEC,), f32)
+            tt = T.alloc_local((VEC,), f32)
+            sg = T.alloc_local((VEC,), f32)
+            km = T.alloc_local((1,), "uint32")
             nch = T.ceildiv(L, dilation * chunk)
             bc = bx // NCB
             c0 = ((bx % NCB) * threads + tx) * VEC
@@ -609,24 +908,32 @@ def gate_conv_dconv_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: 
                     if tj >= 0 and tj < L:
                         a = alpha[bm, tj]
                         rv = rr_v[bm, tj]
-                        for e in T.unroll(VEC):
-                            nn[e] = T.cast(T.cast(a * T.cast(xc[e], f32) * T.cast(wm[e], f32) * rv, dtype), f32)
-                            uu[0] = T.cast(cw[(taps - 1) * VEC + e], f32) * nn[e]
-                            for q in T.unroll(1, taps):
-                                uu[0] += T.cast(cw[(taps - 1 - q) * VEC + e], f32) * T.cast(ring[(q - 1) * VEC + e], f32)
-                            sg = T.float32(1) / (T.float32(1) + T.exp(-uu[0]))
-                            gu = T.cast(xd[e], f32) * (sg * (T.float32(1) + uu[0] * (T.float32(1) - sg)))
-                            if it >= R:
-                                acc[(taps - 1) * VEC + e] += gu * nn[e]
+                        for k in T.unroll(VEC // 2):
+                            pack(nb, 2 * k, a * el(xc, 0, k, 0) * el(wm, 0, k, 0) * rv,
+                                 a * el(xc, 0, k, 1) * el(wm, 0, k, 1) * rv)
+                        for k in T.unroll(VEC // 2):
+                            for j in T.unroll(2, explicit=True):
+                                e = 2 * k + j
+                                nn[e] = el(nb, 0, k, j)
+                                uu[e] = el(cw, (taps - 1) * VEC, k, j) * nn[e]
                                 for q in T.unroll(1, taps):
-                                    acc[(taps - 1 - q) * VEC + e] += gu * T.cast(ring[(q - 1) * VEC + e], f32)
+                                    uu[e] += el(cw, (taps - 1 - q) * VEC, k, j) * el(ring, (q - 1) * VEC, k, j)
+                        sigmoid(sg, uu, tt, km)
+                        for k in T.unroll(VEC // 2):
+                            for j in T.unroll(2, explicit=True):
+                                e = 2 * k + j
+                                gu = el(xd, 0, k, j) * (sg[e] * (T.float32(1) + uu[e] * (T.float32(1) - sg[e])))
+                                if it >= R:
+                                    acc[(taps - 1) * VEC + e] += gu * nn[e]
+                                    for q in T.unroll(1, taps):
+                                        acc[(taps - 1 - q) * VEC + e] += gu * el(ring, (q - 1) * VEC, k, j)
                     # shift the history (ring[q-1] holds the chain token q steps back); zeros before t = 0
                     for q in T.unroll(R - 1):
                         for e in T.unroll(VEC):
                             ring[(R - 1 - q) * VEC + e] = ring[(R - 2 - q) * VEC + e]
                     if R > 0:
                         for e in T.unroll(VEC):
-                            ring[e] = T.if_then_else(tj >= 0 and tj < L, T.cast(nn[e], dtype), T.cast(0, dtype))
+                            ring[e] = T.if_then_else(tj >= 0 and tj < L, nb[e], T.cast(0, dtype))
                 pid = (bm * dilation + br) * nch + bc
                 for p in T.unroll(taps):
                     for e in T.vectorized(VEC):

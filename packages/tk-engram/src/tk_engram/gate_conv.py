@@ -32,7 +32,9 @@ and the argument. M*T == 0 returns empty outputs (and an all-zero state) without
 Kernels (``_gate_conv_kernels``): one CTA walks consecutive tokens of one residue chain (t mod dilation) of
 one row (32 in the forward, at 2 CTAs per SM; 64 in the backward) with whole d-rows per CTA and 16-byte
 vectors; the conv history lives in shared memory per thread column.
-Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch when d > 4096) + fixed-order sums.
+Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch when d > 4096) + fixed-order sums. The
+backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the reference on the GPU
+(same outputs to the test tolerances, deterministic, slower).
 Runtime (no recompile): M, T, eps. Compile-time: dtype, d, w, dilation.
 
 Roofline bytes (e = element size, N = M*T tokens; the benchmark's ``bytes``):
@@ -49,19 +51,30 @@ from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import reference
-from ._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
+from ._gate_conv_kernels import (
+    bwd_fits,
+    fuse_dconv,
+    gate_conv_bwd_kernel,
+    gate_conv_dconv_kernel,
+    gate_conv_fwd_kernel,
+)
 
 CHUNK = 64  # chain tokens per CTA in the backward
 # Forward: 32 tokens x 2 vectors per thread gives 256 CTAs of 256/448 threads at 8192 tokens, 2 per SM. The
 # per-token work is a serial chain (loads, two-level reduction, barrier): halving each thread's share of it
 # beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs). A cp.async ring
 # with the next 1-3 tokens' rows in flight measured no better (0.60 against 0.56 of copy at d=4096, 0.48-0.55
-# against 0.59 at d=7168): the per-token instruction count, not latency, bounds it.
+# against 0.59 at d=7168): the per-token instruction count, not latency, bounds it. The kernel's defaults cut
+# that count (74 KB of float32 weights and ring in shared memory, ``tk_div_fast``); on the H200 a 100 KB budget
+# was 5-13 % slower (less L1 left for the weights read from global memory), the IEEE division 1-2 % slower, a
+# token loop unrolled by 2 (no copy of the prefetched rows) 15 % slower at d=4096 and spilling at d=7168, and 4
+# vectors per thread slower again.
 FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
-# Backward main kernel by row width (key: ``fuse_dconv(d)``): 1 vector per thread (512 / 896 threads, 1 CTA per
-# SM: the rings fill shared memory), stage A's rows one iteration ahead, the weights loaded where each stage uses
-# them (hoisting them spills on sm_100a at d=4096).
-BWD_PARAMS = {True: dict(vecs=1, hoist_w=False, ahead=True), False: dict(vecs=1, hoist_w=False, ahead=True)}
+# Backward main kernel by row width (key: ``fuse_dconv(d)``), 1 CTA per SM (the rings fill shared memory): 1 vector
+# per thread at d <= 4096 (512 threads), 2 for wider rows (448 threads at d=7168: 0.288 / 0.279 of copy at dilation
+# 1 / 3 on the H200 against 0.268 / 0.271 with 1 vector and 896 threads, whose 72-register cap spills); stage A's
+# rows one iteration ahead, the weights loaded where each stage uses them (hoisting them spills on sm_100a at d=4096).
+BWD_PARAMS = {True: dict(vecs=1, hoist_w=False, ahead=True), False: dict(vecs=2, hoist_w=False, ahead=True)}
 # dconv kernel (d > 4096): 128 tokens x 128 threads at 4 CTAs/SM is one wave at d=7168, 8192 tokens.
 DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -219,8 +232,11 @@ def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, r
     if M * T == 0:
         z = torch.zeros((2 + taps, d), dtype=torch.float32, device=dev)
         return dH, dk, dv, z[0], z[1], z[2:]
-    nparts = _num_parts(M, T, dilation)
     fused = fuse_dconv(d)
+    if not bwd_fits(d, taps, BWD_PARAMS[fused]["vecs"]):  # rows too wide for the kernel's shared-memory rings
+        return reference.gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v,
+                                           dilation)
+    nparts = _num_parts(M, T, dilation)
     part = torch.empty((nparts, 2 + taps if fused else 2, d), dtype=torch.float32, device=dev)
     dparts = _num_parts(M, T, dilation, DCONV_PARAMS["chunk"])
     dpart = torch.empty((dparts, taps, d) if not fused else (1, 1, 1), dtype=torch.float32, device=dev)

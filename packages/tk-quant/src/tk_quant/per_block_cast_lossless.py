@@ -28,15 +28,15 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``32 <= bk_in <= bk_out <= 1024``; ``bm_in, bm_out`` powers of two, ``bm_out % bm_in == 0``,
 ``bm_out <= 128``.
 
-Kernel: 256 threads; each thread turns one 16-byte fp4 vector (32 values of one row) into 32 e4m3
-bytes per pass, for P consecutive rows: an 8-entry byte LUT per row (the exact hardware fp32->e4m3
-conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from the LUT, sign bit moved
-into place), about 4.5 SASS per value. The block maximum of exponents is taken in-thread over the rows, then
-with warp shuffles (``bm_out == 1``: one warp per 1024-column row segment; 32 x 32 at P = 4: a warp holds
-whole blocks), and through shared memory (one partial per warp, one barrier per tile) only for blocks taller
-than a warp's rows. A persistent grid (SMs x 4 CTAs) walks the tiles and prefetches the next tile (data
-and raw input scales) into the other register buffer while the current one is converted and stored. Index
-math is int32 per tile. The token count and the input SF strides are runtime arguments.
+Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store
+per pass, for P consecutive rows (the lanes of a warp store contiguous bytes): an 8-entry byte LUT per row (the
+exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from
+the LUT, sign bit moved into place), about 4.5 SASS per value. The block maximum of exponents is taken in-thread
+over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column row segment), and through
+shared memory (one partial per warp, one barrier per tile) only for blocks taller than a warp's rows. A
+persistent grid (SMs x 3 CTAs) walks the tiles and prefetches the next tile (data and raw input scales) into
+the other register buffer while the current one is converted and stored. Index math is int32 per tile. The
+token count and the input SF strides are runtime arguments.
 """
 
 import tilelang.language as T
@@ -52,31 +52,44 @@ from .per_block_cast import alloc_sf_storage
 
 OP = "per_block_cast_lossless"
 THREADS = 256
-SEG = 32  # logical fp4 values per thread per pass (16 bytes)
-
-
-# Consecutive rows per thread (at least; raised for a block row per tile). 2 for every block shape: on the H200, 4
-# rows for the 2-D blocks (a warp then holds 32 rows x 128 columns; 32 x 32 needs no shared memory) measured
-# 2,179 / 2,173 GB/s at 32 x 32 / 128 x 128 against 2,624 / 2,594 with 2.
-PASSES = 2
+# Logical fp4 values per thread and row: 16 (an 8-byte load, one 16-byte store), so the lanes of a warp store
+# contiguous bytes; with 32 (a 16-byte load, two 16-byte stores 32 bytes apart) each store instruction fills only
+# half of every 32-byte sector it touches. On the H200, 16 values x 4 rows measured 3,456 / 3,397 / 3,378 / 3,393
+# GB/s on the anchor lines (1 x 128, 32 x 32, 128 x 128, 1 x 128 packed) against 3,464 / 2,632 / 2,602 / 3,128 with
+# 32 values x 2 rows (sweeps/sweep_lossless_s4.log).
+SEG = 16
+ERR_SEG = 32  # columns per counted error: the unit of the spec's error count (and the smallest input block)
+# Consecutive rows per thread (at least; raised for a block row per tile). With 16 values, 2 rows measured 1-2 %
+# slower on the 2-D blocks than 4, and 8 rows per thread at 32 values lost 10-14 % (fewer warps).
+PASSES = 4
 DEFAULT_SMS = 132  # H200; the device op passes the SM count of the tensor's device
-MIN_BLOCKS = 4  # CTAs per SM: both tile buffers fit 64 registers (1 x 128 at 2 rows: 55; 2-D at 4 rows: 64)
+# CTAs per SM the op launches: 3 (the registers would allow 4; 4 measured 1-2 % slower on the 2-D blocks).
+MIN_BLOCKS = 3
 
 
-def default_min_blocks(rows: int, bm_out: int) -> int:
-    """CTAs per SM for ``rows`` rows per thread (the effective passes, ``_tile(...)[2]``): both tile buffers
-    in the registers without spills (sm_90a: 1 x 128 at 4 rows needs 76 registers, 2-D blocks 64)."""
-    if rows <= 2 or (rows <= 4 and bm_out > 1):
-        return MIN_BLOCKS
-    return 3 if rows <= 4 else 1
+def default_min_blocks(rows: int, bm_out: int, seg: int = SEG) -> int:
+    """CTAs per SM whose register cap holds both tile buffers of ``rows`` rows of ``seg`` values without spills
+    (sm_90a: up to 64 16-value pieces per thread fit 64 registers, i.e. 4 CTAs: 16 x 4 needs 64, 32 x 2 55-59;
+    32 x 4 needs 76 for 1 x 128 and 64 for 2-D blocks)."""
+    pieces = rows * seg // 16  # 16-value (8-byte) pieces per row buffer
+    if pieces <= 4 or (pieces <= 8 and bm_out > 1):
+        return 4
+    return 3 if pieces <= 8 else 1
 
 
-def _tile(bm_out: int, bk_out: int, passes: int = PASSES) -> tuple[int, int, int]:
-    """(BK, TPR, P): BK columns per tile, TPR threads per row (32 columns each), P consecutive rows per thread.
+def op_min_blocks(bm_out: int, bk_out: int) -> int:
+    """CTAs per SM the op launches: ``MIN_BLOCKS`` at the default rows per thread, else what the registers allow
+    (blocks taller than a tile of ``PASSES`` rows raise the rows)."""
+    rows = _tile(bm_out, bk_out)[2]
+    return MIN_BLOCKS if rows == PASSES else default_min_blocks(rows, bm_out)
+
+
+def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG) -> tuple[int, int, int]:
+    """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per thread.
     ``bm_out == 1``: one warp per row (BK = 1024), so the output scales a warp writes for one row are a
     contiguous run. A tile holds whole output block rows."""
-    BK = 32 * SEG if bm_out == 1 else max(bk_out, 128)
-    TPR = BK // SEG
+    BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
+    TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // THREADS)
 
 
@@ -120,6 +133,7 @@ def per_block_cast_lossless_kernel(
     passes: int = 0,
     min_blocks: int = 0,
     ctas: int = 0,
+    seg: int = SEG,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
@@ -133,8 +147,8 @@ def per_block_cast_lossless_kernel(
     Block maximum: in-thread over a thread's rows, then xor-shuffles over the lanes of the block; only blocks
     taller than a warp's rows (128 x bk) go through shared memory: one partial per warp (double-buffered by
     tile parity), one barrier per tile."""
-    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES)
-    min_blocks = min_blocks or default_min_blocks(P, bm_out)
+    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg)
+    min_blocks = min_blocks or default_min_blocks(P, bm_out, seg)
     ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
     sf_in_len = T.dynamic("sf_in_len")
@@ -149,7 +163,7 @@ def per_block_cast_lossless_kernel(
     nk = ceil_div(hidden, bk_out)
     in_dtype = "uint8" if in_kind == "packed" else "int32"
     sf_dtype = "uint8" if layout == "packed" else "float32"
-    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // SEG]
+    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // seg]
     offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and (P << i) < bm_out]
 
     @T.macro
@@ -161,15 +175,15 @@ def per_block_cast_lossless_kernel(
         lr[0] = T.truncdiv(tile, NXT) * BM + (tx // TPR) * P
         for p in T.unroll(P):
             row = lr[0] + p
-            if row < num_tokens and lc[0] < hidden // SEG:
-                for v in T.vectorized(SEG // 8):
-                    xb[p, v] = x[row, lc[0] * (SEG // 8) + v]
+            if row < num_tokens and lc[0] < hidden // seg:
+                for v in T.vectorized(seg // 8):
+                    xb[p, v] = x[row, lc[0] * (seg // 8) + v]
                 if in_kind == "packed":
                     m_in = row // bm_in
-                    k_in = lc[0] // (bk_in // SEG)
+                    k_in = lc[0] // (bk_in // seg)
                     sw[p] = T.cast(sf_in[4 * (m_in * s0 + (k_in // 4) * s1) + k_in % 4], "int32")
                 else:
-                    sw[p] = sf_in[(row // bm_in) * s0 + (lc[0] // (bk_in // SEG)) * s1]
+                    sw[p] = sf_in[(row // bm_in) * s0 + (lc[0] // (bk_in // seg)) * s1]
             else:
                 sw[p] = 0
 
@@ -179,10 +193,10 @@ def per_block_cast_lossless_kernel(
         ex = T.alloc_local((P,), "int32")
         bad = T.alloc_local((P,), "int32")
         em = T.alloc_local((G,), "int32")
-        ow = T.alloc_local((SEG // 4,), "uint32")
+        ow = T.alloc_local((seg // 4,), "uint32")
         lut = T.alloc_local((2,), "uint32")
         scl = T.alloc_local((1,), "float32")
-        cb = (tx % TPR) * SEG // bk_out  # output block column inside the tile
+        cb = (tx % TPR) * seg // bk_out  # output block column inside the tile
         for p in T.unroll(P):
             if in_kind == "packed":
                 ex[p] = sw[p]
@@ -200,7 +214,7 @@ def per_block_cast_lossless_kernel(
             # one partial per warp and block column; buffers alternate by tile parity, so a fast warp writing
             # the next tile's partials never overwrites ones a slow warp still reads
             w = tx // 32
-            if (tx % 32) % TPR % (bk_out // SEG) == 0 and (tx % 32) < TPR:
+            if (tx % 32) % TPR % (bk_out // seg) == 0 and (tx % 32) < TPR:
                 part[((par * NBR + w // WPB) * NBC + cb) * WPB + w % WPB] = em[0]
             T.sync_threads()
             for q in T.unroll(WPB):
@@ -208,23 +222,24 @@ def per_block_cast_lossless_kernel(
         for p in T.unroll(P):
             row = lr[0] + p
             e_out = T.max(em[p // (P // G)] - 6, 1)
-            if row < num_tokens and lc[0] < hidden // SEG:
+            if row < num_tokens and lc[0] < hidden // seg:
                 d = ex[p] - e_out
-                if bad[p] != 0 or (ex[p] != 0 and d < -8):
+                # one count per 32-column segment: its threads share the input scale (bk_in >= 32)
+                if (bad[p] != 0 or (ex[p] != 0 and d < -8)) and lc[0] % (ERR_SEG // seg) == 0:
                     T.atomic_add(err[0], 1)
                 scl[0] = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
                 s = scl[0]
                 lut[0] = T.call_extern("uint32", "tk_e4m3x4", T.float32(0), T.float32(_FP4[1]) * s, s, T.float32(_FP4[3]) * s)
                 lut[1] = T.call_extern("uint32", "tk_e4m3x4", T.float32(_FP4[4]) * s, T.float32(_FP4[5]) * s,
                                        T.float32(_FP4[6]) * s, T.float32(_FP4[7]) * s)
-                for i in T.unroll(SEG // 8):
+                for i in T.unroll(seg // 8):
                     ow[2 * i] = T.call_extern("uint32", "tk_fp4x4_lo", xin[p, i], lut[0], lut[1])
                     ow[2 * i + 1] = T.call_extern("uint32", "tk_fp4x4_hi", xin[p, i], lut[0], lut[1])
-                for j in T.vectorized(SEG // 4):
-                    out[row, lc[0] * (SEG // 4) + j] = ow[j]
-                if row % bm_out == 0 and lc[0] % (bk_out // SEG) == 0:
+                for j in T.vectorized(seg // 4):
+                    out[row, lc[0] * (seg // 4) + j] = ow[j]
+                if row % bm_out == 0 and lc[0] % (bk_out // seg) == 0:
                     m = row // bm_out
-                    k = lc[0] // (bk_out // SEG)
+                    k = lc[0] // (bk_out // seg)
                     if layout == "packed":
                         sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.cast(e_out, "uint8")
                         if k == nk - 1:
@@ -257,8 +272,8 @@ def per_block_cast_lossless_kernel(
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            xa = T.alloc_local((P, SEG // 8), "int32")
-            xb = T.alloc_local((P, SEG // 8), "int32")
+            xa = T.alloc_local((P, seg // 8), "int32")
+            xb = T.alloc_local((P, seg // 8), "int32")
             swa = T.alloc_local((P,), "int32")
             swb = T.alloc_local((P,), "int32")
             ra = T.alloc_local((1,), "int32")
@@ -297,7 +312,7 @@ def per_block_cast_lossless_(
     layout: str,
 ) -> None:
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
-    mb = default_min_blocks(_tile(bm_out, bk_out, PASSES)[2], bm_out)
+    mb = op_min_blocks(bm_out, bk_out)
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
         passes=PASSES, min_blocks=mb, ctas=torch.cuda.get_device_properties(data.device).multi_processor_count * mb,
@@ -359,7 +374,7 @@ def per_block_cast_lossless(
     bm_in, bk_in = _check_block(OP, "x_block_size", x_block_size)
     bm_out, bk_out = _check_block(OP, "out_block_size", out_block_size)
     t, h = q.t, q.h
-    checks.check_divisible(OP, "hidden (logical)", h, SEG)
+    checks.check_divisible(OP, "hidden (logical)", h, ERR_SEG)
     if not 32 <= bk_in <= bk_out <= 1024:
         checks.fail(OP, "x_block_size[1] and out_block_size[1]", "powers of two with 32 <= bk_in <= bk_out <= 1024", (bk_in, bk_out))
     if bm_out % bm_in or bm_out > 128:
