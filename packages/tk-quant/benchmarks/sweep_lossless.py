@@ -30,7 +30,6 @@ from tk_quant.per_block_cast_lossless import (
     _sf_flat,
     _tile,
     default_min_blocks,
-    op_min_blocks,
     per_block_cast_lossless,
     per_block_cast_lossless_kernel,
 )
@@ -63,10 +62,7 @@ def params(h, ob, packed, in_packed, over, sms):
     """Kernel parameters as ``per_block_cast_lossless_`` passes them, with ``over`` on top."""
     passes = over.get("passes") or PASSES
     seg = over.get("seg") or SEG
-    if over:
-        mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
-    else:
-        mb = op_min_blocks(*ob)
+    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
     return dict(hidden=h, bm_in=1, bk_in=32, in_kind="packed" if in_packed else "fp32", bm_out=ob[0], bk_out=ob[1],
                 layout="packed" if packed else "row", passes=passes, min_blocks=mb, ctas=sms * mb, seg=seg)
 

@@ -19,10 +19,10 @@ from tk_core.ptx import DIV_FAST, div_fast, fast_div_key, fast_div_ok
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)
 
-# Element helpers of the GateConv kernels. bf16 -> float32 is exact: the low half of a packed pair is widened by one shift,
-# the high half by one mask (nvcc emits PRMT + SHF for the high half of a cast). Rounding goes in pairs (one
-# cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, round-to-nearest-even like the single conversion). fp16 keeps the cast
-# (one HADD2.F32 already).
+# Element helpers of the GateConv kernels. bf16 -> float32 is exact: the low half of a packed pair is widened by one
+# shift, the high half by one mask (nvcc emits PRMT + SHF for the high half of a cast). Rounding goes in pairs (one
+# cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32, round-to-nearest-even like the single conversion). fp16 keeps the cast (one
+# HADD2.F32 already).
 _BF16 = r"""
 #include <cuda_bf16.h>
 __device__ __forceinline__ float tk_gc_lo(const void* p) {
@@ -41,6 +41,42 @@ __device__ __forceinline__ void tk_gc_pack(void* p, float lo, float hi) {
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(lo, hi);
 }
 """
+
+
+def elementwise(dtype: str):
+    """(prelude, widen, pack) of the GateConv kernels. ``widen(buf, i, j)``: element i + j (i even; j 0 or 1, a
+    Python int or the variable of an explicitly unrolled loop, so the choice folds) of a 16-bit buffer as float32,
+    by ``tk_gc_lo/hi`` for bfloat16. ``pack(buf, i, a, b)``: rounds a pair into buf[i], buf[i + 1]."""
+    bf = dtype == "bfloat16"
+    f32 = "float32"
+
+    def widen(buf, i, j):
+        if not bf:
+            return T.cast(buf[i + j], f32)
+        p = T.address_of(buf[i])
+        if isinstance(j, int):
+            return T.call_extern(f32, "tk_gc_hi" if j else "tk_gc_lo", p)
+        return T.if_then_else(j == 0, T.call_extern(f32, "tk_gc_lo", p), T.call_extern(f32, "tk_gc_hi", p))
+
+    def pack(buf, i, a, b):
+        return T.evaluate(T.call_extern("handle", "tk_gc_pack", T.address_of(buf[i]), a, b))
+
+    return _BF16 if bf else _FP16, widen, pack
+
+
+@T.macro
+def reduce_scatter_row_sums(sc, v, lane):
+    """Per warp, a reduce-scatter of the 4 quantities v[0..4): lane bit 4 picks (v0, v1) or (v2, v3), bit 3 one
+    of the pair; each add is the v_l + v_(l^m) of tl::warp_reduce_sum's butterfly (offsets 16 .. 1), so every sum
+    has its addition tree (6 shuffles instead of 20). Lane 8q ends with sum q in sc[2]."""
+    b4 = T.bitwise_and(lane, 16) != 0
+    b3 = T.bitwise_and(lane, 8) != 0
+    sc[0] = T.if_then_else(b4, v[2], v[0]) + T.shfl_xor(T.if_then_else(b4, v[0], v[2]), 16)
+    sc[1] = T.if_then_else(b4, v[3], v[1]) + T.shfl_xor(T.if_then_else(b4, v[1], v[3]), 16)
+    sc[2] = T.if_then_else(b3, sc[1], sc[0]) + T.shfl_xor(T.if_then_else(b3, sc[0], sc[1]), 8)
+    sc[2] = sc[2] + T.shfl_xor(sc[2], 4)
+    sc[2] = sc[2] + T.shfl_xor(sc[2], 2)
+    sc[2] = sc[2] + T.shfl_xor(sc[2], 1)
 
 
 @T.macro
@@ -126,7 +162,6 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     EV = slots * VEC
     NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
     rdt = "float32" if ring32 else dtype
-    bf = dtype == "bfloat16"
     # cross-warp sum: lane groups of G lanes (a power of two >= nwarps), QP of the 4 quantities per group
     G = 8
     while G < nwarps:
@@ -138,16 +173,14 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     M = T.dynamic("M")
     L = T.dynamic("seq_len")
     f32 = "float32"
-    prelude = (_BF16 if bf else _FP16) + (DIV_FAST if fast_div else "")
+    prelude, widen, pack = elementwise(dtype)
+    prelude += DIV_FAST if fast_div else ""
 
     def lo(buf, i):  # element i (even) of a packed pair as float32
-        return T.call_extern(f32, "tk_gc_lo", T.address_of(buf[i])) if bf else T.cast(buf[i], f32)
+        return widen(buf, i, 0)
 
     def hi(buf, i):  # element i + 1
-        return T.call_extern(f32, "tk_gc_hi", T.address_of(buf[i])) if bf else T.cast(buf[i + 1], f32)
-
-    def pack(buf, i, a, b):  # buf[i], buf[i + 1] = round(a), round(b)
-        return T.evaluate(T.call_extern("handle", "tk_gc_pack", T.address_of(buf[i]), a, b))
+        return widen(buf, i, 1)
 
     def silu_pair(yo, uu, tt, vf, k, fast: bool):  # yo[2k], yo[2k+1] = u / t + vhat (t = 1 + exp(-u)), rounded
         q = [div_fast(uu[e], tt[e]) if fast else uu[e] / tt[e] for e in (2 * k, 2 * k + 1)]
@@ -284,17 +317,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     part[1] += kv * kv
                                     part[2] += hv * kv * wf[2 * k + j]
                                     part[3] += vv * vv
-                    # Per warp, a reduce-scatter: lane bit 4 picks (q0, q1) or (q2, q3), bit 3 one of the pair, and
-                    # each add is the v_i + v_(i^m) of tl::warp_reduce_sum's butterfly, so every quantity gets that
-                    # addition tree (6 shuffles instead of 20); lanes 0, 8, 16, 24 hold the four sums.
-                    b4 = T.bitwise_and(lane, 16) != 0
-                    b3 = T.bitwise_and(lane, 8) != 0
-                    sc4[0] = T.if_then_else(b4, part[2], part[0]) + T.shfl_xor(T.if_then_else(b4, part[0], part[2]), 16)
-                    sc4[1] = T.if_then_else(b4, part[3], part[1]) + T.shfl_xor(T.if_then_else(b4, part[1], part[3]), 16)
-                    sc4[2] = T.if_then_else(b3, sc4[1], sc4[0]) + T.shfl_xor(T.if_then_else(b3, sc4[0], sc4[1]), 8)
-                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 4)
-                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 2)
-                    sc4[2] = sc4[2] + T.shfl_xor(sc4[2], 1)
+                    reduce_scatter_row_sums(sc4, part, lane)  # lanes 0, 8, 16, 24 hold the four sums
                     if T.truncmod(lane, 8) == 0:
                         red[rb, T.truncdiv(lane, 8), warp] = sc4[2]
                     T.sync_threads()
@@ -473,19 +496,11 @@ def bwd_elementwise(dtype: str):
     bfloat16. ``pack(buf, i, a, b)``: rounds
     a pair into buf[i], buf[i + 1]. ``sigmoid(sg, uu, tt, km)``: sg[e] = 1 / (1 + exp(-uu[e])) for the 8
     elements (the same expf and correctly rounded reciprocal as ``1 / (1 + exp(-u))``; tt, km are scratch)."""
-    bf = dtype == "bfloat16"
+    prelude, widen, pack = elementwise(dtype)
     f32 = "float32"
 
     def el(buf, i0, k, j):
-        if not bf:
-            return T.cast(buf[i0 + 2 * k + j], f32)
-        p = T.address_of(buf[i0 + 2 * k])
-        if isinstance(j, int):
-            return T.call_extern(f32, "tk_gc_hi" if j else "tk_gc_lo", p)
-        return T.if_then_else(j == 0, T.call_extern(f32, "tk_gc_lo", p), T.call_extern(f32, "tk_gc_hi", p))
-
-    def pack(buf, i, a, b):
-        return T.evaluate(T.call_extern("handle", "tk_gc_pack", T.address_of(buf[i]), a, b))
+        return widen(buf, i0 + 2 * k, j)
 
     @T.macro
     def sigmoid(sg, uu, tt, km):
@@ -501,7 +516,7 @@ def bwd_elementwise(dtype: str):
             for e in T.unroll(VEC):
                 sg[e] = T.float32(1) / tt[e]
 
-    return (_BF16 if bf else _FP16) + _RCP_FAST, el, pack, sigmoid
+    return prelude + _RCP_FAST, el, pack, sigmoid
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
@@ -518,8 +533,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     and stay in registers across the barrier (no reload). The per-thread rings (n, g_u) and the drms_w
     accumulators live in shared memory and move as 16-byte vectors. ``hoist_w`` loads the weights once per
     iteration, with the rows; otherwise each stage loads its slot's weights where it uses them (L1 hits), which
-    lowers the register peak (no spills at d=4096 on sm_90a and sm_100a). ``ahead=False`` issues stage A's rows with stage
-    B's at the top of their own iteration (8 registers fewer per vector, still one round trip per iteration).
+    lowers the register peak (no spills at d=4096 on sm_90a and sm_100a). ``ahead=False`` issues stage A's rows
+    with stage B's at the top of their own iteration (8 registers fewer per vector, still one round trip per
+    iteration).
 
     The kernel is issue-bound, so each element takes as few instructions as bit-exact results allow (every
     rounding, product and sum has the operands and order of the per-element formulas): ``bwd_elementwise``'s
@@ -542,20 +558,6 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     NP = T.dynamic("num_parts")
     f32 = "float32"
     prelude, el, pack, sigmoid = bwd_elementwise(dtype)
-
-    @T.macro
-    def row_sums(sc, v, lane):
-        """Per warp, a reduce-scatter of the 4 quantities v[0..4): lane bit 4 picks (v0, v1) or (v2, v3), bit 3
-        one of the pair; each add is the v_l + v_(l^m) of tl::warp_reduce_sum's butterfly (offsets 16 .. 1),
-        so every sum has its addition tree (6 shuffles instead of 20). Lane 8q ends with sum q in sc[2]."""
-        b4 = T.bitwise_and(lane, 16) != 0
-        b3 = T.bitwise_and(lane, 8) != 0
-        sc[0] = T.if_then_else(b4, v[2], v[0]) + T.shfl_xor(T.if_then_else(b4, v[0], v[2]), 16)
-        sc[1] = T.if_then_else(b4, v[3], v[1]) + T.shfl_xor(T.if_then_else(b4, v[1], v[3]), 16)
-        sc[2] = T.if_then_else(b3, sc[1], sc[0]) + T.shfl_xor(T.if_then_else(b3, sc[0], sc[1]), 8)
-        sc[2] = sc[2] + T.shfl_xor(sc[2], 4)
-        sc[2] = sc[2] + T.shfl_xor(sc[2], 2)
-        sc[2] = sc[2] + T.shfl_xor(sc[2], 1)
 
     @T.prim_func
     def main(
@@ -760,13 +762,13 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     # tree of warp_reduce_sum on both levels (fixed order, identical in every thread). ``red``
                     # is double-buffered, so one barrier per token suffices.
                     rb = T.truncmod(it, 2)
-                    row_sums(sc, ps, lane)
+                    reduce_scatter_row_sums(sc, ps, lane)
                     if T.truncmod(lane, 8) == 0:
                         red[rb, T.truncdiv(lane, 8), warp] = sc[2]
                     T.sync_threads()
                     for q in T.unroll(4):
                         tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
-                    row_sums(sc, tot, lane)
+                    reduce_scatter_row_sums(sc, tot, lane)
                     for q in T.unroll(4, explicit=True):
                         tot[q] = T.shfl_sync(sc[2], q * 8)
                     c1 = rv * rv * rv * (a * tot[0]) * inv_d

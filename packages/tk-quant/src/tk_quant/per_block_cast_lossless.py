@@ -68,26 +68,21 @@ MIN_BLOCKS = 3
 
 
 def default_min_blocks(rows: int, bm_out: int, seg: int = SEG) -> int:
-    """CTAs per SM whose register cap holds both tile buffers of ``rows`` rows of ``seg`` values without spills
-    (sm_90a: up to 64 16-value pieces per thread fit 64 registers, i.e. 4 CTAs: 16 x 4 needs 64, 32 x 2 55-59;
-    32 x 4 needs 76 for 1 x 128 and 64 for 2-D blocks)."""
+    """CTAs per SM for ``rows`` rows of ``seg`` values per thread: ``MIN_BLOCKS`` for the tuned tile (``PASSES``
+    rows of ``SEG`` values), else the most whose register cap holds both tile buffers without spills (sm_90a: 16
+    x 4 needs 64 registers, 32 x 2 55-59; 32 x 4 needs 76 for 1 x 128 and 64 for 2-D blocks)."""
+    if (rows, seg) == (PASSES, SEG):
+        return MIN_BLOCKS
     pieces = rows * seg // 16  # 16-value (8-byte) pieces per row buffer
     if pieces <= 4 or (pieces <= 8 and bm_out > 1):
         return 4
     return 3 if pieces <= 8 else 1
 
 
-def op_min_blocks(bm_out: int, bk_out: int) -> int:
-    """CTAs per SM the op launches: ``MIN_BLOCKS`` at the default rows per thread, else what the registers allow
-    (blocks taller than a tile of ``PASSES`` rows raise the rows)."""
-    rows = _tile(bm_out, bk_out)[2]
-    return MIN_BLOCKS if rows == PASSES else default_min_blocks(rows, bm_out)
-
-
 def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG) -> tuple[int, int, int]:
-    """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per thread.
-    ``bm_out == 1``: one warp per row (BK = 1024), so the output scales a warp writes for one row are a
-    contiguous run. A tile holds whole output block rows."""
+    """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per
+    thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
+    row are a contiguous run. A tile holds whole output block rows."""
     BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
     TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // THREADS)
@@ -169,7 +164,7 @@ def per_block_cast_lossless_kernel(
     @T.macro
     def load(x, sf_in, s0, s1, xb, sw, lr, lc, tile, tx):
         """Data and raw input scale words of ``tile`` (zeros outside the tensor: exponent 0, admissible)."""
-        # int32 row and column (in 32-value units: the vector accesses stay provably aligned); as expressions
+        # int32 row and column (in seg-value units: the vector accesses stay provably aligned); as expressions
         # they are widened to int64 (64-bit div/mod by NXT)
         lc[0] = T.truncmod(tile, NXT) * TPR + tx % TPR
         lr[0] = T.truncdiv(tile, NXT) * BM + (tx // TPR) * P
@@ -312,7 +307,7 @@ def per_block_cast_lossless_(
     layout: str,
 ) -> None:
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
-    mb = op_min_blocks(bm_out, bk_out)
+    mb = default_min_blocks(_tile(bm_out, bk_out)[2], bm_out)
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
         passes=PASSES, min_blocks=mb, ctas=torch.cuda.get_device_properties(data.device).multi_processor_count * mb,

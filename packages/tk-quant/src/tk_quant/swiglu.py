@@ -191,10 +191,10 @@ def swiglu_fwd_token_kernel(
     so only the loaded inputs of the later chunks stay live. ``pair_scales``: chunks ``2p`` and ``2p+1`` are
     finished together and their scale rules (~35 instructions, an IEEE division among them) run once: the lanes
     with bit ``b = lanes_per_group / 2`` set evaluate chunk ``2p+1``'s, the others chunk ``2p``'s, and one xor
-    shuffle by ``b`` (within the group) hands each lane the other one. ``fast_div``: ``tk_div_fast`` for the
-    chunks whose gates allow it (see ``tk_core.ptx.DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
-    multiplication by 1. ``min_blocks``: CTAs per SM the registers must allow. Clamp counts: ``_CLAMP_COUNT`` for
-    bf16 inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way."""
+    shuffle by ``b`` (within the group) hands each lane the other one. ``fast_div``: ``tk_div_fast`` for the chunks
+    whose gates allow it (see ``tk_core.ptx.DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
+    multiplication by 1. ``min_blocks``: CTAs per SM the registers must allow. Clamp counts: ``_CLAMP_COUNT`` for bf16
+    inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
