@@ -8,6 +8,7 @@ from tk_core.testing import assert_equal, opcheck
 from tk_core.testing.generators import generate_rand_float
 from tk_quant import reference
 from tk_quant.per_block_cast_lossless import (
+    num_ctas,
     per_block_cast_lossless,
     per_block_cast_lossless_,
     per_block_cast_lossless_kernel,
@@ -140,6 +141,25 @@ def test_kernel_matches_reference(t, h, out_block, in_layout, out_layout):
 
 
 @pytest.mark.gpu
+def test_error_count_sums_every_cta():
+    # errors spread over many tiles (and so over many CTAs' slots), counted once per 32-column segment
+    t, h = 4001, 2048
+    xq = tuple(v.cuda() for v in _fp4_input(t, h, (False, False)))
+    bad = (xq[0], xq[1].clone())
+    bad[1][::7, ::3] *= 1.5
+    n_ref = reference.per_block_cast_lossless(bad, "e4m3", (1, 32), (32, 32))[2]
+    assert n_ref > 1000
+    cnt = torch.full((1,), 5, dtype=torch.int32, device="cuda")
+    per_block_cast_lossless(bad, "e4m3", (1, 32), (32, 32), check=False, error_count=cnt)
+    assert cnt.item() == 5 + n_ref  # added to the caller's count
+    with pytest.raises(ValueError, match=f"{n_ref} inadmissible"):
+        per_block_cast_lossless(bad, "e4m3", (1, 32), (32, 32))
+    cnt.zero_()
+    per_block_cast_lossless(xq, "e4m3", (1, 32), (32, 32), error_count=cnt)  # check=True: only this call's count
+    assert cnt.item() == 0
+
+
+@pytest.mark.gpu
 def test_errors_poison_opcheck_compile_graph():
     xq = tuple(v.cuda() for v in _fp4_input(256, 512, (False, False)))
     bad = (xq[0], xq[1].clone())
@@ -151,12 +171,15 @@ def test_errors_poison_opcheck_compile_graph():
     assert cnt.item() == 1
     out = torch.full((256, 512), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     flat = torch.full((256 * 4,), float("nan"), device="cuda")
-    cnt.zero_()
-    per_block_cast_lossless_(xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row")
+    # every CTA writes its slot, zero or not: poisoned slots must all be overwritten
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    slots = torch.full((num_ctas(256, 512, 1, 128, sms),), -1, dtype=torch.int32, device="cuda")
+    per_block_cast_lossless_(xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, slots, 1, 32, 1, 128, "row")
+    assert slots.eq(0).all()
     ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
     assert_equal(out, ref[0])
     assert_equal(flat.view(256, 4), ref[1])
-    opcheck(per_block_cast_lossless_.op, (xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, cnt, 1, 32, 1, 128, "row"))
+    opcheck(per_block_cast_lossless_.op, (xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, slots, 1, 32, 1, 128, "row"))
     fn = torch.compile(lambda a, b: per_block_cast_lossless((a, b), "e4m3", (1, 32), (1, 128), check=False), fullgraph=True)
     got = fn(*xq)
     assert_equal(got[0], ref[0])
