@@ -1,16 +1,16 @@
 """Compares tuning variants of the GateConv forward kernel in one GPU run (not a pytest file), then checks and
 times the backward as the public op runs it (one variant: ``bwd[default]``).
 
-    python3 packages/tk-engram/benchmarks/sweep_gate_conv.py [vecs,chunk,min_blocks[,budget_kb[,fast_div]] ...]
+    python3 packages/tk-engram/benchmarks/sweep_gate_conv.py [VARIANT ...]
 
-Each variant (16-byte vectors per thread, chain tokens per CTA, CTAs per SM for the register cap, KB of shared
-memory for the float32 weights and ring, 0 for the IEEE division instead of ``tk_div_fast``) is compiled in
-parallel, checked against ``reference.gate_conv_fwd_ref`` with the GPU-test tolerances on odd shapes (d=200 fp16
-with 3 taps and dilation 2, an unaligned d=1000, the same with conv taps large enough that most vectors take
-the IEEE division, T below the history, 1 token) and on the anchors, checked deterministic, then timed (CUPTI,
-L2 flushed) on the benchmark shapes of
-bench_gate_conv.py. ``anchor`` is the measured copy bandwidth, so ``ratio`` is the fraction of copy (target
-0.85). Bytes: ``gate_conv.fwd_roofline_bytes`` (each tensor once)."""
+A variant is ``default`` (the op's ``gate_conv.FWD_PARAMS``) or comma-separated ``gate_conv_fwd_kernel``
+parameters that override those, e.g. ``budget=100`` (in KB), ``fast_div=0``, ``min_blocks=1``. Every variant is
+compiled in parallel and run on odd shapes (d=200 fp16 with 3 taps and dilation 2, an unaligned d=1000, the same
+with conv taps large enough that most vectors take the IEEE division, T below the history, 1 token) and on the
+anchors: its seven outputs must match ``reference.gate_conv_fwd_ref`` with the GPU-test tolerances, be
+deterministic and equal the first variant's as integers (no parameter may change a bit). Then each is timed
+(CUPTI, L2 flushed) on the benchmark shapes of bench_gate_conv.py. ``anchor`` is the measured copy bandwidth, so
+``ratio`` is the fraction of copy (target 0.85). Bytes: ``gate_conv.fwd_roofline_bytes`` (each tensor once)."""
 
 import sys
 import traceback
@@ -24,10 +24,9 @@ from tk_core.testing import calc_diff
 from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
 from tk_engram import engram_gate_conv_bwd, reference
 from tk_engram._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
-from tk_engram.gate_conv import CHUNK, bwd_roofline_bytes, fwd_roofline_bytes
+from tk_engram.gate_conv import CHUNK, FWD_PARAMS, bwd_roofline_bytes, fwd_roofline_bytes
 
-# vecs,chunk,min_blocks[,budget_kb[,fast_div]]; first = the op default
-DEFAULT = ["2,32,2", "2,32,2,100", "2,32,2,74,0"]
+DEFAULT = ["default", "budget=100", "fast_div=0"]  # first = the op default
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
     (2, 67, 200, 3, 2, torch.float16, 0.5),
@@ -40,16 +39,21 @@ TL = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def params(spec):
-    vecs, chunk, mb, *rest = map(int, spec.split(","))
-    p = dict(vecs=vecs, chunk=chunk, min_blocks=mb)
-    if rest:
-        p["budget"] = rest[0] * 1024
-    if len(rest) > 1:
-        p["fast_div"] = bool(rest[1])
+    p = dict(FWD_PARAMS)
+    if spec != "default":
+        for kv in spec.split(","):
+            k, v = kv.split("=")
+            p[k] = int(v) * 1024 if k == "budget" else int(v)
     return p
 
 
+def bits(x):
+    """x as integers of its width (NaN payloads and signed zeros compare exactly)."""
+    return x.view({2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
 def inputs(M, T, d, taps, dtype, conv_scale=0.5):
+    torch.manual_seed(M * 1000003 + T * 1009 + d + taps)
     g = lambda *s: torch.randn(*s, device="cuda")  # noqa: E731
     return (g(M, T, d).to(dtype), g(M, T, d).to(dtype), g(M, T, d).to(dtype), (1 + 0.3 * g(d)).to(dtype),
             (1 + 0.3 * g(d)).to(dtype), (conv_scale * g(taps, d)).to(dtype))
@@ -120,47 +124,72 @@ def compile_serial(jobs):
             print(f"compile FAILED {factory.name} {p}: {str(e)[-300:]}", flush=True)
 
 
+def check(ks, variants):
+    """Per variant and odd or anchor case: the outputs match the reference (GPU-test tolerances), two runs give
+    the same bits and so does the first variant. Failing cases are printed."""
+    ok = dict.fromkeys(variants, True)
+    cases = ODD + [(M, T, d, taps, dil, torch.bfloat16, 0.5) for M, T, d, taps, dil in ANCHORS]
+    for M, T, d, taps, dil, dt, cs in cases:
+        key = (TL[dt], d, taps, dil)
+        x = inputs(M, T, d, taps, dt, cs)
+        ref = reference.gate_conv_fwd_ref(*x, dil, 1e-6)
+        first = None
+        for v in variants:
+            try:
+                k = ks[(v, key)]
+                out = [o.clone() for o in run(k, x, outputs(x, dil), dil)]
+                first = out if first is None else first
+                near = close(out, ref, dt)
+                det = all(torch.equal(bits(a), bits(b)) for a, b in zip(out, run(k, x, outputs(x, dil), dil)))
+                same = all(torch.equal(bits(a), bits(b)) for a, b in zip(out, first))
+                if not (near and det and same):
+                    print(f"fwd[{v}] M={M} T={T} d={d} taps={taps} dil={dil}: reference {near}, deterministic "
+                          f"{det}, bits of fwd[{variants[0]}] {same}", flush=True)
+                ok[v] &= near and det and same
+                del out
+            except Exception:  # one broken variant must not hide the others
+                print(f"fwd[{v}] M={M} T={T} d={d} taps={taps} dil={dil} FAILED", flush=True)
+                traceback.print_exc()
+                ok[v] = False
+        del x, ref, first
+    return ok
+
+
 def main():
-    specs = sys.argv[1:] or DEFAULT
+    variants = sys.argv[1:] or DEFAULT
     cases = [(M, T, d, taps, dil, torch.bfloat16) for M, T, d, taps, dil in ANCHORS] + [c[:6] for c in ODD]
     keys = sorted({(TL[dt], d, taps, dil) for _, _, d, taps, dil, dt in cases})
-    jobs = [(s, key) for s in specs for key in keys]
+    jobs = [(v, key) for v in variants for key in keys]
     with ThreadPoolExecutor(2) as pool:  # the backward kernels compile while par_compile runs
         for group in bwd_jobs():
             pool.submit(compile_serial, group)
-        funcs = [gate_conv_fwd_kernel(dtype=key[0], d=key[1], taps=key[2], dilation=key[3], **params(s))
-                 for s, key in jobs]
+        funcs = [gate_conv_fwd_kernel(dtype=key[0], d=key[1], taps=key[2], dilation=key[3], **params(v))
+                 for v, key in jobs]
         kernels = tilelang.par_compile(funcs, target=target_of(arch_of(None)), num_workers=16,
                                        pass_configs=gate_conv_fwd_kernel.pass_configs, ignore_error=True)
     ks = {job: k for job, k in zip(jobs, kernels) if k is not None}
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s", flush=True)
-    for spec in specs:
-        if any((spec, key) not in ks for key in keys):
-            print(f"fwd[{spec}] FAILED to compile", flush=True)
-            continue
+    for v in variants:
+        if any((v, key) not in ks for key in keys):
+            print(f"fwd[{v}] FAILED to compile", flush=True)
+    good = [v for v in variants if all((v, key) in ks for key in keys)]
+    ok = check(ks, good)
+    for v in good:
         try:
-            ok = True
-            for M, T, d, taps, dil, dt, cs in ODD:
-                x = inputs(M, T, d, taps, dt, cs)
-                k = ks[(spec, (TL[dt], d, taps, dil))]
-                out = [o.clone() for o in run(k, x, outputs(x, dil), dil)]
-                ok &= close(out, reference.gate_conv_fwd_ref(*x, dil, 1e-6), dt)
-                ok &= all(torch.equal(a, b) for a, b in zip(out, run(k, x, outputs(x, dil), dil)))
             for M, T, d, taps, dil in ANCHORS:
                 x = inputs(M, T, d, taps, torch.bfloat16)
-                k = ks[(spec, ("bfloat16", d, taps, dil))]
+                k = ks[(v, ("bfloat16", d, taps, dil))]
                 buf = outputs(x, dil)
-                good = ok and close(run(k, x, buf, dil), reference.gate_conv_fwd_ref(*x, dil, 1e-6), torch.bfloat16)
-                us = device_time_us(lambda k=k, x=x, buf=buf, dil=dil: k(*x, *buf, 1e-6))
+                us = device_time_us(lambda k=k, x=x, buf=buf: k(*x, *buf, 1e-6))
                 gbs = fwd_roofline_bytes(M, T, d, taps) / us / 1e3
-                print(f"fwd[{spec}] M={M} T={T} d={d} dil={dil} ok={good} us={us:.1f} GB/s={gbs:.0f} "
+                print(f"fwd[{v}] M={M} T={T} d={d} dil={dil} ok={ok[v]} us={us:.1f} GB/s={gbs:.0f} "
                       f"anchor={copy:.0f} ratio={gbs / copy:.3f}", flush=True)
                 del x, buf
         except Exception:  # one broken variant must not hide the others
-            print(f"fwd[{spec}] FAILED", flush=True)
+            print(f"fwd[{v}] FAILED", flush=True)
             traceback.print_exc()
-    sweep_bwd(copy, {key: k for (s, key), k in ks.items() if s == specs[0]})
+    sweep_bwd(copy, {key: k for (v, key), k in ks.items() if v == variants[0]})
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from tk_core.testing.compile_check import assert_compiles
 from tk_engram import gate as gate_mod
 from tk_engram import reference
 from tk_engram._gate_kernels import (
+    MAX_HIDDEN,
+    bwd_xk_late,
     fused_weight_kernel,
     gate_bwd_kernel,
     gate_fwd_kernel,
@@ -277,8 +279,9 @@ def test_validation_errors():
 # --- compile tier -------------------------------------------------------------------------------------
 
 HIDDENS = [7168, 576]  # the anchor size and a partial last vector tile
-# the 256-thread variants (H > 8192), compiled once on sm_90a to keep the tier short
-BIG = [(8192, "sm_90a"), (14336, "sm_100a")]
+# the 256-thread variants (H > 8192) and the 160-thread one (x/k late, last vector row partial), each compiled
+# for one arch to keep the tier short
+BIG = [(8192, "sm_90a"), (14336, "sm_100a"), (4160, "sm_90a")]
 
 
 @pytest.mark.compile
@@ -309,7 +312,7 @@ def test_compile_bwd_reduce_fused(arch, hidden):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("hidden,arch", BIG)
-def test_compile_large_hidden(hidden, arch):
+def test_compile_other_layouts(hidden, arch):
     assert_compiles(gate_fwd_kernel, arch, n=4, hidden=hidden, save=True, threads=threads_for(hidden))
     assert_compiles(gate_bwd_kernel, arch, n=4, hidden=hidden, threads=threads_for(hidden))
 
@@ -319,8 +322,17 @@ def test_compile_large_hidden(hidden, arch):
 def test_compile_masked(arch):
     src = assert_compiles(gate_fwd_kernel, arch, n=4, hidden=7168, save=True, threads=128, masked=True)
     assert "Mask[" in src
+    # both backward load orders: cp.async stages (128 threads, 7 vectors a thread) and x/k late (the op's layout)
     src = assert_compiles(gate_bwd_kernel, arch, n=4, hidden=7168, threads=128, masked=True)
-    assert "Mask[" in src and "atomic" not in src
+    assert "Mask[" in src and "atomic" not in src and "void* xs" in src and "void* accs" not in src
+    src = assert_compiles(gate_bwd_kernel, arch, n=4, hidden=7168, threads=threads_for(7168), masked=True)
+    assert "Mask[" in src and "atomic" not in src and "void* accs" in src and "void* xs" not in src
+
+
+def test_bwd_xk_late_layouts():
+    """x/k late exactly in the layouts of 2 CTAs per SM with at most 4 vectors a thread (the anchor's)."""
+    assert [h for h in range(64, MAX_HIDDEN + 1, 64) if bwd_xk_late(h)] == list(range(4160, 7169, 64))
+    assert not bwd_xk_late(7168, 128) and not bwd_xk_late(7168, 448)
 
 
 @pytest.mark.parametrize("hidden", [64, 576, 1088, 7168, 7232, 8192, 14336])
@@ -361,8 +373,9 @@ def test_threads_for_bounds_registers():
 
 # --- gpu tier -----------------------------------------------------------------------------------------
 
-# (65, 2, 14336): 448-thread CTAs, 4 vectors a thread
-GPU_SHAPES = [(8001, 4, 7168), (257, 4, 576), (3, 2, 64), (1, 1, 2048), (129, 6, 1088), (65, 2, 14336)]
+# (65, 2, 14336): 448-thread CTAs, 4 vectors a thread; (77, 3, 4160): 160-thread CTAs, the backward's x/k late
+# with a partial last vector row
+GPU_SHAPES = [(8001, 4, 7168), (257, 4, 576), (3, 2, 64), (1, 1, 2048), (129, 6, 1088), (65, 2, 14336), (77, 3, 4160)]
 
 
 def _gpu_inputs(t, n, h):
@@ -462,6 +475,31 @@ def test_gpu_bwd_vs_reference(shape, num_sms):
             assert_equal(a, b)
     finally:
         config.set_num_sms(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True])
+def test_gpu_bwd_load_orders_bit_identical(masked):
+    """Both backward load orders (``xk_late``) give the same bits (same token chunks), partial rows included."""
+    t, n, h = 301, 4, 7168
+    x, k, v, wh, we, w = _gpu_inputs(t, n, h)
+    G = torch.randn(t, n, h, device=CUDA).bfloat16()
+    _, dot, gate, rx, rk = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP)
+    mask = ((torch.rand(t, device=CUDA) < 0.3).view(torch.uint8),) if masked else ()
+    chunk, parts = gate_mod.token_chunks(t, 99)
+    flat = [gate_mod._vec_view(a) for a in (G, x, k, v)]
+    strides = [s_ for _, st in flat for s_ in st]
+    results = []
+    for xk_late in (False, True):
+        kern = gate_bwd_kernel.get(CUDA, n=n, hidden=h, threads=224, masked=masked, xk_late=xk_late)
+        outs = [torch.full((t, n, h), float("nan"), dtype=torch.bfloat16, device=CUDA),
+                torch.full((t, n, h), float("nan"), dtype=torch.bfloat16, device=CUDA),
+                torch.full((t, h), float("nan"), dtype=torch.bfloat16, device=CUDA),
+                torch.full((parts, n, h), float("nan"), device=CUDA)]
+        kern(*(f for f, _ in flat), w, dot, gate, rx, rk, *outs, *mask, *strides, CLAMP, chunk)
+        results.append(outs)
+    for a, b in zip(*results, strict=True):
+        assert_equal(a, b)
 
 
 @pytest.mark.gpu

@@ -25,27 +25,33 @@ from tk_quant import reference as R
 from tk_quant import swiglu as S
 
 # name -> (factory attribute in tk_quant.swiglu, {variant name: extra kernel parameters}); the op's default (the
-# launcher's own choice, no override) first. Forward per-token (H = 3584): the default is 2 chunks per warp at 10
-# CTAs per SM (48 registers), one scale rule per two chunks, ``tk_div_fast`` and the bf16 clamp counting; u2mb1:
-# no register cap (9 CTAs per SM); unpaired: a scale rule per chunk; c7: 7 chunks per warp (2 warps per row, 94
-# registers); ieee: the default without ``tk_div_fast`` (IEEE division per element, as in session 2).
+# launcher's own choice, no override) first. A variant's "_set" entry names module attributes of tk_quant.swiglu
+# set while it runs (launcher choices that depend on runtime values, e.g. CLAMP_IMPL). Forward per-token (H = 3584):
+# the default is 2 chunks per warp at 10 CTAs per SM (48 registers), one scale rule per two chunks,
+# ``tk_div_fast``, the bf16 clamp counting (``#{u < -c}`` counted directly) with one packed warp reduction, the
+# clamp as min.NaN/max.NaN on the loaded bf16 pairs ("bf16", for a clamp value that is a bf16 value, as 0.5) and
+# bf16 widened from the loaded words; s3base: session 3's default (four count reductions, compare-and-select
+# clamp, widening by the bf16 conversion); nowords: the default with the bf16 conversion; nan: the min.NaN clamp on
+# the widened float32 values. Per-channel: the default has the "bf16" clamp, the word widening and the amax over
+# the float32 activations (``amax_act``); s3base: session 3's kernel; noamax: the default without ``amax_act``;
+# nan: the default with the "nan" clamp.
 VARIANTS = {
     "fwd_token": (
         "swiglu_fwd_token_kernel",
         {
             "default": {},
-            "u2mb1": dict(min_blocks=1),
-            "unpaired": dict(pair_scales=False),
-            "c7": dict(chunks=7, min_blocks=1, pair_scales=False),
-            "ieee": dict(fast_div=False),
+            "s3base": dict(pack_counts=False, clamp_impl="select", widen_words=False),
+            "nowords": dict(widen_words=False),
+            "nan": {"_set": {"CLAMP_IMPL": "nan"}},
         },
     ),
     "fwd_channel": (
         "swiglu_fwd_channel_kernel",
         {
             "default": {},  # bm=32: 128 threads, 6 CTAs per SM, tk_div_fast
-            "t128mb8": dict(threads=128, min_blocks=8),
-            "ieee": dict(fast_div=False),  # session 2's kernel
+            "s3base": dict(clamp_impl="select", widen_words=False, amax_act=False),
+            "noamax": dict(amax_act=False),
+            "nan": {"_set": {"CLAMP_IMPL": "nan"}},
         },
     ),
     "bwd_token": (
@@ -64,7 +70,23 @@ class Shim:
     """Stands in for a kernel factory: records the parameters asked for, or serves precompiled kernels."""
 
     def __init__(self, factory, extra, table):
-        self.factory, self.extra, self.table, self.wanted = factory, extra, table, []
+        self.factory, self.table, self.wanted = factory, table, []
+        self.extra = {k: v for k, v in extra.items() if k != "_set"}
+        self.module_set = extra.get("_set", {})
+
+    def install(self, attr):
+        """Puts the shim in place of the factory and sets the variant's module attributes; returns the undo."""
+        saved = {k: getattr(S, k) for k in self.module_set}
+        setattr(S, attr, self)
+        for k, v in self.module_set.items():
+            setattr(S, k, v)
+
+        def undo():
+            setattr(S, attr, self.factory)
+            for k, v in saved.items():
+                setattr(S, k, v)
+
+        return undo
 
     def key(self, params):
         return (self.factory.name, tuple(sorted({**params, **self.extra}.items())))
@@ -78,17 +100,24 @@ class Shim:
 
 
 def fwd_token_cases():
-    """[(label, anchor GB/s or None, fn(op) -> outputs, bytes)]; ``fn(R.op)`` gives the reference."""
+    """[(label, anchor GB/s or None, fn(op) -> outputs, bytes)]; ``fn(R.op)`` gives the reference. A case's
+    ``fn.timed`` (if set) is what is timed: the clamp lines count into one counter made beforehand, as
+    bench_swiglu.py does (a ``torch.zeros`` per call would add its fill kernel to the CUPTI time). The "no count"
+    line (clamp without a counter) is a diagnostic: it splits the clamp's cost from the counting's."""
     cases = []
     idx, pe, ptt, ttp, x = moe_inputs(3584, 16)
     anchors = {(True, None): 1862, (True, 0.5): 1877, (False, None): 2629, (False, 0.5): 1906}
-    for (use_pe, clamp), a in anchors.items():
+    for (use_pe, clamp), a in [*anchors.items(), ((True, "0.5 no count"), 1877)]:
+        counting = clamp == 0.5
 
-        def fn(op, x=x, pe=pe if use_pe else None, clamp=clamp):
-            cnt = torch.zeros(3, dtype=torch.int64, device="cuda") if clamp is not None else None
+        def fn(op, x=x, pe=pe if use_pe else None, clamp=0.5 if clamp else None, counting=counting, cnt=None):
+            if counting and cnt is None:
+                cnt = torch.zeros(3, dtype=torch.int64, device="cuda")
             return (*op(x, "e4m3", 128, None, None, pe, True, True, True, clamp, cnt), cnt)
 
         out, sf, _ = fn(R.swiglu_forward_and_per_token_cast)
+        if counting:
+            fn.timed = functools.partial(fn, cnt=torch.zeros(3, dtype=torch.int64, device="cuda"))
         cases.append((f"pe={use_pe} clamp={clamp}", a, fn, count_bytes(x, out, sf)))
     for rows, h, bk in [(0, 3584, 128), (1, 3584, 128), (333, 1152, 128), (77, 1280, 64), (50, 1024, 1024)]:
         xo = torch.randn(rows, 2 * h, device="cuda").bfloat16()
@@ -238,13 +267,13 @@ def main():
             continue
         for vname, extra in variants.items():
             shim = Shim(factory, extra, table)
-            setattr(S, attr, shim)
+            undo = shim.install(attr)
             for _, _, fn, _ in cases:
                 try:
                     fn(op)
                 except Exception:  # noqa: BLE001  (the shim's LookupError, possibly wrapped by the op)
                     pass
-            setattr(S, attr, factory)
+            undo()
             plan.append((name, attr, factory, vname, extra, cases, op, ref, shim))
     # compile every (variant, shape) kernel at once; a variant that fails to compile is reported and skipped
     jobs = {}
@@ -276,8 +305,8 @@ def main():
                     table[k] = tilelang.compile(f, target=target_of(arch), pass_configs=factory.pass_configs)
                 except Exception as exc:  # noqa: BLE001
                     print(f"compile {k} failed: {exc!r}", flush=True)
-    for name, attr, factory, vname, extra, cases, op, ref, shim in plan:
-        setattr(S, attr, shim)
+    for name, attr, _factory, vname, extra, cases, op, ref, shim in plan:
+        undo = shim.install(attr)
         try:
             ok = True
             if "spans" in extra:  # the weight-grad summation order follows the split
@@ -290,7 +319,8 @@ def main():
             for label, anchor, fn, nbytes in cases:
                 if anchor is None:
                     continue
-                us = device_time_us(lambda fn=fn: fn(op), rep_ms=60, warmup_ms=15)
+                timed = getattr(fn, "timed", fn)
+                us = device_time_us(lambda timed=timed: timed(op), rep_ms=60, warmup_ms=15)
                 g = nbytes / us / 1e3
                 print(
                     f"{name}/{vname} [{label}] ok={ok} us={us:.1f} GB/s={g:.0f} anchor={anchor} ratio={g / anchor:.2f}",
@@ -299,7 +329,7 @@ def main():
         except Exception:  # noqa: BLE001
             print(f"{name}/{vname} FAILED\n{traceback.format_exc(limit=3)}", flush=True)
         finally:
-            setattr(S, attr, factory)
+            undo()
             R.wgrad_dot = wgrad_dot
 
 

@@ -214,6 +214,19 @@ def test_forward_per_channel_reference(transpose):
     assert calc_diff(out.float().t() if transpose else out.float(), a / s.repeat_interleave(32, 0)) < 1e-3
 
 
+@pytest.mark.parametrize("impl", S.CLAMP_IMPLS)
+def test_clamp_impl_for(monkeypatch, impl):
+    monkeypatch.setattr(S, "CLAMP_IMPL", impl)
+    exact = "bf16" if impl == "bf16" else impl
+    other = "nan" if impl == "bf16" else impl  # bf16 only where it is exact
+    assert S.clamp_impl_for(torch.bfloat16, 0.5) == exact
+    assert S.clamp_impl_for(torch.bfloat16, 7.0) == exact
+    assert S.clamp_impl_for(torch.bfloat16, 0.3) == other  # not a bf16 value
+    assert S.clamp_impl_for(torch.bfloat16, 1e-40) == other  # float32 subnormal, not a bf16 value
+    assert S.clamp_impl_for(torch.float32, 0.5) == other
+    assert S.clamp_impl_for(torch.bfloat16, None) == other
+
+
 def test_public_functions_on_cpu_run_the_reference():
     x = torch.randn(16, 256).bfloat16()
     assert_equal(
@@ -410,6 +423,16 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
         chunks=5,
         pair_scales=True,
     ),
+    # the launcher's count kernels (packed count reduction, word widening; the min.NaN clamp on the float32 values
+    # or on the loaded bf16 pairs), then other clamp implementations
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
+         min_blocks=10, pair_scales=True, pack_counts=True, clamp_impl="nan", widen_words=True),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
+         min_blocks=10, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True),
+    dict(in_dtype="bfloat16", hidden=1152, group=64, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
+         clamp_impl="bf16", widen_words=True),
+    dict(in_dtype="float32", hidden=1280, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=1,
+         clamp_impl="nan"),
 ]
 BWD_VARIANTS = [  # the anchor shapes get the launcher's tuning per arch (strict: no spills at its CTA cap)
     dict(hidden=7168, group=32, layout="row", round_sf=True, clamp_on=False, tuned=True),
@@ -422,6 +445,12 @@ CHAN_VARIANTS = [
     dict(hidden=7168, bm=32, round_sf=False, transpose=True, clamp_on=True, **S.CHANNEL_TUNING[32]),
     dict(hidden=7168, bm=128, round_sf=True, transpose=True, clamp_on=False),
     dict(hidden=576, bm=32, round_sf=False, transpose=True, clamp_on=True),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="nan", widen_words=True,
+         amax_act=True, **S.CHANNEL_TUNING[32]),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="bf16", widen_words=True,
+         amax_act=True, **S.CHANNEL_TUNING[32]),
+    dict(hidden=1024, bm=128, round_sf=False, transpose=True, clamp_on=True, clamp_impl="bf16", widen_words=True,
+         amax_act=True),
 ]
 
 
@@ -448,6 +477,9 @@ def test_compile_forward_per_token(arch, params):
     assert "uint4" in src or "float4" in src  # 16-byte loads
     if params["clamp_mode"] == "count":
         assert "AtomicAdd" in src
+    predicates = params["clamp_mode"] == "count" and params["in_dtype"] == "float32"  # keeps the selects
+    if params.get("clamp_impl") in ("nan", "bf16") and params["clamp_mode"] != "none" and not predicates:
+        assert ("min.NaN.bf16x2" if params["clamp_impl"] == "bf16" else "min.NaN.f32") in src
 
 
 @pytest.mark.compile
@@ -469,6 +501,8 @@ def test_compile_backward(arch, params):
 def test_compile_forward_per_channel(arch, params):
     src = assert_compiles(S.swiglu_fwd_channel_kernel, arch, **params)
     _common_codegen_checks(src)
+    if params.get("clamp_impl") == "bf16":
+        assert "min.NaN.bf16x2" in src
     if params["transpose"]:
         assert "fp8_e4_16_t" in src  # 16-byte transposed stores
     else:
@@ -583,6 +617,37 @@ def test_gpu_forward_per_token_small_and_odd(rows):
     assert_equal(got[0], want[0])
     assert_equal(got[1], want[1], check_stride=True)
     assert_equal(cnt, cnt_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", S.CLAMP_IMPLS)
+@pytest.mark.parametrize("clamp", [0.5, 0.3, 1e-33, 100.0])
+def test_gpu_forward_clamp_impls(monkeypatch, impl, clamp):
+    """Every clamp implementation, on values around the clamp (+-c, +-0, subnormals, beyond the fast-division
+    range) and with clamp values that are bf16 values (0.5, 100) or not (0.3, 1e-33)."""
+    monkeypatch.setattr(S, "CLAMP_IMPL", impl)
+    mag = torch.exp2(torch.rand(128, 2 * 1280, device=DEV) * 147 - 135)
+    x = torch.where(torch.rand_like(mag) < 0.5, -mag, mag)
+    x[:32] = torch.randn(32, 2 * 1280, device=DEV) * 2
+    x[torch.rand_like(mag) < 0.05] = clamp
+    x[torch.rand_like(mag) < 0.05] = -clamp
+    x[torch.rand_like(mag) < 0.02] = 0.0
+    x[torch.rand_like(mag) < 0.02] = -0.0
+    x = x.bfloat16()
+    for count in (True, False):
+        cnt = torch.zeros(4, dtype=torch.int64, device=DEV) if count else None
+        cnt_ref = cnt.clone() if count else None
+        got = FWD(x, "e4m3", 128, None, None, None, True, True, True, clamp, cnt)
+        want = R.swiglu_forward_and_per_token_cast(x, "e4m3", 128, None, None, None, True, True, True, clamp, cnt_ref)
+        assert_equal(got[0], want[0])
+        assert_equal(got[1], want[1])
+        if count:
+            assert_equal(cnt, cnt_ref)
+    for bm, transpose in ((32, False), (128, True)):
+        got = CHAN(x[:bm], "e4m3", bm, True, not transpose, clamp)
+        want = R.swiglu_forward_and_per_channel_cast_and_transpose(x[:bm], "e4m3", bm, True, not transpose, clamp)
+        assert_equal(got[0], want[0])
+        assert_equal(got[1], want[1])
 
 
 @pytest.mark.gpu

@@ -59,6 +59,16 @@ def bwd_blocks_per_sm(hidden: int, threads: int | None = None) -> int:
     return _blocks_per_sm(threads, 144 if -(-hidden // (VEC * threads)) <= VECS_PER_THREAD else 255)
 
 
+def bwd_xk_late(hidden: int, threads: int | None = None) -> bool:
+    """Whether the backward loads x and k after its barrier (``gate_bwd_kernel``'s ``xk_late``): in the layouts
+    of 2 CTAs per SM with at most 4 vectors per thread (160-224 threads, H = 4160-7168), where it measured
+    3,955 against 3,808 GB/s on the H200 at the anchor line. The other layouts (1 CTA of 256-448 threads, or 3 and
+    more small CTAs per SM) keep the cp.async stages: not measured, and with one CTA per SM nothing covers a load
+    issued after the barrier."""
+    threads = threads or threads_for(hidden)
+    return -(-hidden // (VEC * threads)) <= VECS_PER_THREAD and bwd_blocks_per_sm(hidden, threads) == 2
+
+
 def _inv_sqrt_hidden(hidden: int):
     # Correctly rounded sqrtf then an IEEE division: the same float32 value as the reference's
     # ``1 / sqrt(float32(H))``.
@@ -322,30 +332,44 @@ def gate_fwd_kernel(n: int, hidden: int, save: bool, threads: int, masked: bool 
 
 
 @kernel(pass_configs=PASS_CONFIGS)
-def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0):
+def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blocks: int = 0,
+                    xk_late: bool | None = None):
     """Persistent CTAs, one per (token chunk p, stream h), stream fastest.
 
     CTA (p, h) walks the tokens ``[p * chunk, min((p + 1) * chunk, T))`` in order. Per token it loads its
     G, x, k and v vectors, reduces dg = sum_d G v over the CTA (fixed order; the reduction scratch is
     double-buffered by token parity so one barrier per token suffices), then writes grad_x and grad_k
-    and accumulates ddot * x * k for grad_w in registers. grad_v[t] = sum_h g_h G_h (heads in order 0..n-1)
-    is split among the n CTAs of a chunk: CTA h computes the vectors (r, warp) with (r + warp) % n == h,
-    reading the other streams' G (L2 hits: the n CTAs of a chunk run side by side). At the end the CTA
-    writes its partial grad_w row ``Partial[p, h, :]`` (zeros when it had no token): no atomics.
+    and accumulates ddot * x * k for grad_w (registers or shared memory, see below). grad_v[t] = sum_h g_h G_h
+    (heads in order 0..n-1) is split among the n CTAs of a chunk: CTA h computes the vectors (r, warp) with
+    (r + warp) % n == h, reading the other streams' G (L2 hits: the n CTAs of a chunk run side by side). At the
+    end the CTA writes its partial grad_w row ``Partial[p, h, :]`` (zeros when it had no token): no atomics.
     With ``masked``, tokens whose uint8 ``Mask[t]`` is non-zero get grad_x = G (bit for bit), grad_k = 0,
     grad_v = 0 and add nothing to grad_w.
 
     G, v, the other streams' G rows and the per-token scalars are loaded into registers, all before the first
-    FMA; x and k (used only after the barrier) arrive as cp.async copies into shared memory, issued with token
-    t's other loads into stage t % 2: a copy may land before the same thread's earlier shared-memory reads of its
-    stage have been performed (cp.async is not ordered with them), and the barrier between tokens t - 1 and t + 1
-    orders them (one stage measured wrong results on long token chunks). Copying token t + 1's rows while token t
-    is processed measured slower (3,523 against 3,773 GB/s on the H200 at the anchor line). ``blocks`` (0: the
-    default ``bwd_blocks_per_sm``) sets the CTAs per SM the registers are capped for; it changes no arithmetic.
+    FMA. x and k are used only after the barrier; ``xk_late`` (None: ``bwd_xk_late``) picks how they arrive:
+
+    - ``xk_late=False``: as cp.async copies into shared memory, issued in the source with token t's other loads
+      into stage t % 2 (ptxas places them after the dg FMAs: two dependent round trips per token). A copy may
+      land before the same thread's earlier shared-memory reads of its stage have been performed (cp.async is
+      not ordered with them); the barrier between tokens t - 1 and t + 1 orders them (one stage measured wrong
+      results on long token chunks). The grad_w accumulators stay in registers.
+    - ``xk_late=True``: as 16-byte loads into registers, written after the barrier in the source; ptxas hoists
+      them (read-only ld.global.nc) above it, next to the dg shuffles (sm_90a, 224 threads): the same two round
+      trips. The grad_w accumulators live in shared memory (each thread reads and writes back only its own
+      columns, once per token), which frees 32 registers and the 56 KB of x/k stages (57 KB of shared memory
+      instead of 84 KB per CTA at H = 7168). Measured 3,955 against 3,808 GB/s at the anchor line (2 CTAs of 224
+      threads per SM).
+
+    The values and the order of every float operation are the same in both. Copying token t + 1's rows while
+    token t is processed measured slower (3,523 against 3,773 GB/s on the H200 at the anchor line), and so did
+    issuing x/k of token t + 1 earlier (3,705-3,761 against 3,833 GB/s). ``blocks`` (0: the default
+    ``bwd_blocks_per_sm``) sets the CTAs per SM the registers are capped for; it changes no arithmetic.
     """
     R = -(-hidden // (VEC * threads))
     RO = -(-R // n)
     blocks = blocks or bwd_blocks_per_sm(hidden, threads)
+    xk_late = bwd_xk_late(hidden, threads) if xk_late is None else xk_late
     W = threads // 32
     nt = T.dynamic("num_tokens")
     nparts = T.dynamic("num_parts")
@@ -364,6 +388,19 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 cp_async16(T.address_of(ks[(t % 2) * hidden + d0]), T.address_of(K[kbase + d0]))
 
     @T.macro
+    def load_xk(X, K, xr, kr, t64, h, sx0, sx1, sk0, sk1, tx):
+        # token t's x and k vectors into registers, all issued together
+        xbase = (t64 * sx0 + T.cast(h, "int64") * sx1) * VEC
+        kbase = (t64 * sk0 + T.cast(h, "int64") * sk1) * VEC
+        for r in T.unroll(R):
+            d0 = (r * threads + tx) * VEC
+            if d0 < hidden:
+                for j in T.vectorized(VEC):
+                    xr[r, j] = X[xbase + d0 + j]
+                for j in T.vectorized(VEC):
+                    kr[r, j] = K[kbase + d0 + j]
+
+    @T.macro
     def body(G, X, K, V, Wf, Dot, Gate, Rx, Rk, GX, GK, GV, Partial, Mask, sg0, sg1, sx0, sx1, sk0, sk1, sv0, clamp, chunk):
         with T.Kernel(nparts * n, threads=threads, prelude=CP_ASYNC + ST_GLOBAL_V4 + STORE_BF16X8) as bid:
             T.annotate_min_blocks_per_sm(blocks)
@@ -375,8 +412,13 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
             gvl = T.alloc_local((RO, n, VEC), BF16)
             xl = T.alloc_local((VEC,), BF16)
             kl = T.alloc_local((VEC,), BF16)
-            xs = T.alloc_shared((2 * hidden,), BF16)
-            ks = T.alloc_shared((2 * hidden,), BF16)
+            if xk_late:
+                xr = T.alloc_local((R, VEC), BF16)
+                kr = T.alloc_local((R, VEC), BF16)
+                accs = T.alloc_shared((hidden,), F32)
+            else:
+                xs = T.alloc_shared((2 * hidden,), BF16)
+                ks = T.alloc_shared((2 * hidden,), BF16)
             wl = T.alloc_local((VEC,), F32)
             acc = T.alloc_local((R, VEC), F32)
             gvacc = T.alloc_local((VEC,), F32)
@@ -397,9 +439,16 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
             mk = T.alloc_var("int32")
             # this thread's grad_v vectors: r = r_own + q * n, the r < R with (r + warp) % n == h
             r_own = (h + n - (tx // 32) % n) % n
-            for r in T.unroll(R):
-                for j in T.unroll(VEC):
-                    acc[r, j] = T.float32(0)
+            if xk_late:
+                for r in T.unroll(R):
+                    d0 = (r * threads + tx) * VEC
+                    if d0 < hidden:
+                        for j in T.vectorized(VEC):
+                            accs[d0 + j] = T.float32(0)
+            else:
+                for r in T.unroll(R):
+                    for j in T.unroll(VEC):
+                        acc[r, j] = T.float32(0)
             for r in T.unroll(R):
                 d0 = (r * threads + tx) * VEC
                 if d0 < hidden:
@@ -413,9 +462,10 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 vbase = t64 * sv0 * VEC
                 if masked:
                     mk = T.cast(Mask[t], "int32")
-                # Every load of the token is issued here, before any FMA: one memory round trip per token.
-                # cp.async copies take no register, so ptxas cannot sink them below the first FMAs.
-                copy_xk(X, K, xs, ks, t, h, sx0, sx1, sk0, sk1, tx)
+                # Every load of the token but x and k with xk_late is issued here in the source (ptxas still
+                # sinks the cp.async copies below the dg FMAs, see the docstring).
+                if not xk_late:
+                    copy_xk(X, K, xs, ks, t, h, sx0, sx1, sk0, sk1, tx)
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
@@ -449,6 +499,8 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 dg = red[t % 2, 0]
                 for w in T.unroll(1, W):
                     dg += red[t % 2, w]
+                if xk_late:
+                    load_xk(X, K, xr, kr, t64, h, sx0, sx1, sk0, sk1, tx)
                 # grad_v[t] = sum_h g_h G_h (needs no reduction)
                 for q in T.unroll(RO):
                     r = r_own + q * n
@@ -473,14 +525,23 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                 )
                 ca = dot * rx * rx / T.float32(hidden)
                 cb = dot * rk * rk / T.float32(hidden)
-                cp_async_wait_all()
+                if not xk_late:
+                    cp_async_wait_all()
                 for r in T.unroll(R):
                     d0 = (r * threads + tx) * VEC
                     if d0 < hidden:
-                        for j in T.vectorized(VEC):
-                            xl[j] = xs[(t % 2) * hidden + d0 + j]
-                        for j in T.vectorized(VEC):
-                            kl[j] = ks[(t % 2) * hidden + d0 + j]
+                        if xk_late:
+                            for j in T.vectorized(VEC):
+                                xl[j] = xr[r, j]
+                            for j in T.vectorized(VEC):
+                                kl[j] = kr[r, j]
+                            for j in T.vectorized(VEC):
+                                acc[r, j] = accs[d0 + j]
+                        else:
+                            for j in T.vectorized(VEC):
+                                xl[j] = xs[(t % 2) * hidden + d0 + j]
+                            for j in T.vectorized(VEC):
+                                kl[j] = ks[(t % 2) * hidden + d0 + j]
                         for j in T.vectorized(VEC):
                             wl[j] = ws[d0 + j]
                         for j in T.unroll(VEC):
@@ -492,6 +553,9 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
                                 )
                             else:
                                 acc[r, j] += ddot * T.cast(xl[j], F32) * T.cast(kl[j], F32)
+                        if xk_late:
+                            for j in T.vectorized(VEC):
+                                accs[d0 + j] = acc[r, j]
                         if masked:
                             # image tokens: grad_x = G bit for bit, grad_k = 0
                             for j in T.vectorized(VEC):
@@ -506,8 +570,12 @@ def gate_bwd_kernel(n: int, hidden: int, threads: int, masked: bool = False, blo
             for r in T.unroll(R):
                 d0 = (r * threads + tx) * VEC
                 if d0 < hidden:
-                    for j in T.vectorized(VEC):
-                        Partial[p, h, d0 + j] = acc[r, j]
+                    if xk_late:
+                        for j in T.vectorized(VEC):
+                            Partial[p, h, d0 + j] = accs[d0 + j]
+                    else:
+                        for j in T.vectorized(VEC):
+                            Partial[p, h, d0 + j] = acc[r, j]
 
 
     if masked:

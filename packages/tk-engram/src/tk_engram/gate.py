@@ -37,10 +37,15 @@ Errors: ``TypeError`` for wrong dtypes, ``ValueError`` for shapes, devices, stri
 ``"<op>: <arg> must be <expected>, got <actual>"``.
 
 Kernels (``_gate_kernels.py``): persistent CTAs over (token chunk, stream), one wave, a thread owning at
-most 4 vectors of a row (224 threads at H = 7168); all of a token's loads are issued together (registers
-and cp.async copies into shared memory) and all accesses are 16-byte vectors; the backward copies the next
-token's x and k rows into shared memory while the current token is processed. The backward accumulates its
-chunk's weight gradient in registers and writes one partial row per CTA.
+most 4 vectors of a row (224 threads at H = 7168); all accesses are 16-byte vectors. The forward issues all
+of a token's loads together (registers and cp.async copies into shared memory). The backward loads G, v and
+the other streams' G rows into registers first; x and k are used only after its per-token barrier. In the
+layouts of 2 CTAs per SM (160-224 threads: H = 4160-7168, the anchor included; ``bwd_xk_late``) x and k are
+loaded into registers, placed after the barrier in the source (ptxas issues them during the dg reduction),
+and the chunk's weight gradient accumulates in shared memory; in the other layouts x and k arrive as
+cp.async copies into shared memory (two stages by token parity) and the weight gradient accumulates in
+registers. Either way two dependent memory round trips per token (the other CTAs of the SM, where several
+fit, cover them) and the same result bits. Each CTA writes one partial weight-gradient row.
 """
 
 import math

@@ -68,7 +68,10 @@ CHUNK = 64  # chain tokens per CTA in the backward
 # that count (74 KB of float32 weights and ring in shared memory, ``tk_div_fast``); on the H200 a 100 KB budget
 # was 5-13 % slower (less L1 left for the weights read from global memory), the IEEE division 1-2 % slower, a
 # token loop unrolled by 2 (no copy of the prefetched rows) 15 % slower at d=4096 and spilling at d=7168, and 4
-# vectors per thread slower again.
+# vectors per thread slower again. The halo tokens skip the convolution and SiLU (the same bits, about 4 % fewer
+# instructions, no spill left at d=7168 on sm_90a): 0.744 / 0.733 / 0.731 of copy on the H200 at d=4096 / 7168 /
+# 7168 dilation 3 against 0.742 / 0.726 / 0.722. Two tokens per iteration (one barrier per pair) was slower:
+# 0.680 / 0.362 / 0.363 (0.519 / 0.636 / 0.639 at 1 CTA per SM).
 FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
 # Backward main kernel by row width (key: ``fuse_dconv(d)``), 1 CTA per SM (the rings fill shared memory): 1 vector
 # per thread at d <= 4096 (512 threads), 2 for wider rows (448 threads at d=7168: 0.288 / 0.279 of copy at dilation

@@ -52,7 +52,9 @@ over the ``bk/8`` lanes of a group. The per-channel kernel tiles ``bm`` tokens x
 and one shared-memory exchange, after which one thread per column computes its scale once and shares
 ``sf_inv`` through shared memory; the transposed store goes through a shared-memory tile.
 The token count is dynamic (no recompile per batch); ``H``, ``bk``/``bm``, the SF layout, ``round_sf`` and
-whether a clamp (and counting) is on are compile-time.
+whether a clamp (and counting) is on are compile-time, and the forward kernels' clamp form: NaN-propagating
+min/max on the loaded bf16 pairs when the clamp value is a bf16 value, else on the widened float32 values (see
+``NAN_CLAMP_BF16``; the value itself stays a runtime argument).
 """
 
 import math
@@ -101,6 +103,98 @@ def _swiglu(g, u, clamp_on: bool, c):
     return T.if_then_else(cg, c, g), T.if_then_else(cu, T.copysign(c, u), u), cg, cu
 
 
+# Clamp implementations (``clamp_impl`` of the forward kernels; ``_swiglu`` is "select"). The clamp as
+# NaN-propagating min/max (sm_80+): ``min.NaN(g, c)`` is ``g > c ? c : g`` and ``min.NaN(max.NaN(u, -c), c)`` is
+# ``|u| > c ? copysign(c, u) : u`` for every non-NaN input (c > 0; -0 and +-c kept), and NaN stays NaN (the
+# canonical one: every NaN reaches the outputs through float arithmetic, which canonicalizes it anyway). "nan":
+# on the widened float32 values, one instruction per select instead of a compare and a select (and a LOP3 for the
+# sign). "bf16": on the loaded bf16 pairs before widening, 1.5 instructions per element; exact only when ``c`` is
+# a bf16 value (then ``min(g, c)`` of a bf16 ``g`` is a bf16 value, and widening commutes with min/max), which
+# the launchers check on the host (``clamp_impl_for``); ``c2`` holds ``c``'s bf16 bits in both halves.
+NAN_CLAMP_BF16 = r"""
+__device__ __forceinline__ void tk_clamp_bf16x2(void* g, void* u, unsigned c2) {
+  unsigned* gp = reinterpret_cast<unsigned*>(g);
+  unsigned* up = reinterpret_cast<unsigned*>(u);
+  unsigned gw = *gp, uw = *up;
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(gw) : "r"(gw), "r"(c2));
+  asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(uw) : "r"(uw), "r"(c2 | 0x80008000u));
+  asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(uw) : "r"(uw), "r"(c2));
+  *gp = gw;
+  *up = uw;
+}
+"""
+CLAMP_IMPLS = ("select", "nan", "bf16")
+# bf16 -> float32 of an element of a loaded bf16 pair from the 32-bit word: one shift (low half) or one AND (high
+# half); the bf16 conversion operator extracts the 16-bit half first (PRMT + shift for a high half).
+BF16_WORDS = r"""
+__device__ __forceinline__ float tk_bf16_lo(const void* p) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(p) << 16);
+}
+__device__ __forceinline__ float tk_bf16_hi(const void* p) {
+  return __uint_as_float(*reinterpret_cast<const unsigned*>(p) & 0xffff0000u);
+}
+"""
+NAN_CLAMP = r"""
+__device__ __forceinline__ float tk_min_nan(float a, float b) {
+  float d;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+__device__ __forceinline__ float tk_max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+"""
+
+
+def _swiglu_nan(g, u, c):
+    """``_swiglu``'s clamped inputs through ``NAN_CLAMP`` (the kernel's prelude must contain it), without the
+    predicates."""
+    return (
+        T.call_extern("float32", "tk_min_nan", g, c),
+        T.call_extern("float32", "tk_min_nan", T.call_extern("float32", "tk_max_nan", u, -c), c),
+    )
+
+
+def _widen(buf, c, i, words: bool):
+    """``buf[c, i]`` (16-bit) as float32; ``words``: bf16 through ``BF16_WORDS`` (the kernel's prelude must contain
+    it), ``i`` the variable of an explicitly unrolled loop (so the choice of half folds)."""
+    if not words:
+        return T.cast(buf[c, i], "float32")
+    odd = T.truncmod(i, 2)
+    p = T.address_of(buf[c, i - odd])
+    return T.if_then_else(
+        odd == 0, T.call_extern("float32", "tk_bf16_lo", p), T.call_extern("float32", "tk_bf16_hi", p)
+    )
+
+
+def _clamp_bf16x2(g_address, u_address, c2):
+    """Clamps the bf16 pair at ``g_address`` (gate) and the one at ``u_address`` (value) in place through
+    ``NAN_CLAMP_BF16`` (the kernel's prelude must contain it)."""
+    return T.evaluate(T.call_extern("handle", "tk_clamp_bf16x2", g_address, u_address, c2))
+
+
+def _bf16_pair(c):
+    """``c``'s bf16 bits (``c`` a bf16 value) in both halves of a uint32."""
+    return T.shift_right(T.reinterpret(c, "uint32"), 16) * T.uint32(0x10001)
+
+
+# The forward kernels' clamp implementation (benchmarks/sweep_swiglu.py compares them); "bf16" falls back to
+# "nan" where it would not be exact. Static SASS of the fast path (one thread's 16 / 32 elements; the kernels are
+# issue-bound): per-token with counts 764 (select) / 677 ("nan") / 654 ("bf16"); per-channel 1039 / 905 / 859,
+# against 883 for the per-channel kernel without a clamp.
+CLAMP_IMPL = "bf16"
+
+
+def clamp_impl_for(x_dtype: torch.dtype, clamp_value: float | None) -> str:
+    """``CLAMP_IMPL``, with "bf16" only for bf16 rows and a clamp value that is a bf16 value (0.5, 7.0, ...)."""
+    if CLAMP_IMPL == "bf16":
+        exact = clamp_value is not None and float(torch.tensor(clamp_value).bfloat16()) == clamp_value
+        return "bf16" if exact and x_dtype == torch.bfloat16 else "nan"
+    return CLAMP_IMPL
+
+
 def _pow2(k):
     """``_tl.pow2(k)`` bit for bit, branch-free (nvcc turned the nested selects into branches): ``2**a * 2**b``
     with ``a`` and ``b = k - a`` clamped to the normal exponents rounds like ``2**k`` itself (exact down to
@@ -130,7 +224,9 @@ def _sf_value(layout: str, s):
 # half and ``add`` accumulates (counts <= 256 per half are exact in bf16): ~3 instructions per element for the three
 # counts, against ~7 for predicate selects and integer adds. For bf16 ``x`` and ``c > 0``, ``x > c`` equals
 # ``x > c'`` with ``c'`` = ``c`` truncated to bf16 (no bf16 lies in ``(c', c]``); NaN compares false in both.
-# ``acc`` holds ``#{g > c}``, ``#{u > c}``, ``#{|u| > c}`` (``#{u < -c}`` is the difference of the last two).
+# ``acc`` holds ``#{g > c}``, ``#{u > c}``, ``#{|u| > c}`` (``#{u < -c}`` is the difference of the last two);
+# ``tk_clamp_count2_lt`` counts ``#{u < -c}`` itself (``set.lt`` against ``-c'``, the same argument mirrored), one
+# instruction per pair fewer.
 _CLAMP_COUNT = r"""
 __device__ __forceinline__ unsigned tk_count_gt_bf16x2(unsigned acc, unsigned x, unsigned c) {
   unsigned m;
@@ -144,7 +240,16 @@ __device__ __forceinline__ void tk_clamp_count2(unsigned* acc, const void* g, co
   acc[1] = tk_count_gt_bf16x2(acc[1], uw, c2);
   acc[2] = tk_count_gt_bf16x2(acc[2], uw & 0x7fff7fffu, c2);
 }
+__device__ __forceinline__ void tk_clamp_count2_lt(unsigned* acc, const void* g, const void* u, unsigned c2) {
+  const unsigned gw = *reinterpret_cast<const unsigned*>(g), uw = *reinterpret_cast<const unsigned*>(u);
+  unsigned m;
+  acc[0] = tk_count_gt_bf16x2(acc[0], gw, c2);
+  acc[1] = tk_count_gt_bf16x2(acc[1], uw, c2);
+  asm("set.lt.bf16x2.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(uw), "r"(c2 ^ 0x80008000u));
+  asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(acc[2]) : "r"(acc[2]), "r"(m));
+}
 """
+
 
 def _act(g, u, w, weighted: bool, fast: bool):
     """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``."""
@@ -184,6 +289,9 @@ def swiglu_fwd_token_kernel(
     fast_div: bool = True,
     weighted: bool = True,
     min_blocks: int = 1,
+    pack_counts: bool = True,
+    clamp_impl: str = "nan",
+    widen_words: bool = True,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -194,7 +302,12 @@ def swiglu_fwd_token_kernel(
     shuffle by ``b`` (within the group) hands each lane the other one. ``fast_div``: ``tk_div_fast`` for the chunks
     whose gates allow it (see ``tk_core.ptx.DIV_FAST``). ``weighted=False`` (no weights, ``wmode == 0``) drops the
     multiplication by 1. ``min_blocks``: CTAs per SM the registers must allow. Clamp counts: ``_CLAMP_COUNT`` for bf16
-    inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way."""
+    inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way.
+    ``pack_counts``: the three counts and the row flag of a lane go into one int32 (10-bit fields: a warp counts at
+    most 32 * 16 elements of its span), so the warp reduction is one xor-shuffle chain instead of four, and the bf16
+    counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``). ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan"
+    and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw words before the clamp).
+    ``widen_words``: bf16 inputs widened through ``BF16_WORDS``."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -218,7 +331,19 @@ def swiglu_fwd_token_kernel(
     pair = pair_scales and split
     b = group // VEC // 2  # partner-lane bit within a group
     packed_cnt = count and split and in_dtype == "bfloat16"  # at most 64 elements per lane: bf16-exact counts
-    prelude = ((DIV_FAST if fast_div else "") + (_CLAMP_COUNT if packed_cnt else "")) or None
+    lt_cnt = packed_cnt and pack_counts
+    pack = pack_counts and count and split and 32 * UC * VEC < 1024
+    free = clamp_on and (packed_cnt or not count)  # no clamp predicate needed
+    use_nan = free and clamp_impl == "nan"
+    use_b16 = free and clamp_impl == "bf16" and in_dtype == "bfloat16"
+    words = widen_words and in_dtype == "bfloat16"
+    prelude = (
+        (DIV_FAST if fast_div else "")
+        + (_CLAMP_COUNT if packed_cnt else "")
+        + (NAN_CLAMP if use_nan else "")
+        + (NAN_CLAMP_BF16 if use_b16 else "")
+        + (BF16_WORDS if words else "")
+    ) or None
 
     def in_range(col):
         return col < H if tail else True
@@ -248,11 +373,10 @@ def swiglu_fwd_token_kernel(
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
             lane = tx % 32
-            ri = T.alloc_local((2,), "int32")  # int32 (row, first span): buffer indices are widened to int64,
-            ri[0] = row_of(bx * warps + tx // 32)  # which made this division a 64-bit one in every index
-            ri[1] = span_of(bx * warps + tx // 32)
-            row = ri[0]
-            it0 = ri[1]  # this warp's first span: it0 + j, j < spans
+            gw0 = bx * warps + tx // 32
+            # int32 (row, first span) of the warp: buffer indices are widened to int64, which made the division a
+            # 64-bit one in every index
+            ri = T.alloc_local((2,), "int32")
             xg = T.alloc_local((UC, VEC), in_dtype)
             xu = T.alloc_local((UC, VEC), in_dtype)
             v = T.alloc_local((UC, VEC), "float32")
@@ -271,6 +395,10 @@ def swiglu_fwd_token_kernel(
             c2 = T.alloc_local((1,), "uint32")
             for i in T.unroll(4):
                 cnt[i] = 0
+            ri[0] = row_of(gw0)
+            ri[1] = span_of(gw0)
+            row = ri[0]
+            it0 = ri[1]  # this warp's first span: it0 + j, j < spans
             st[0] = 0
             if row < E:
                 st[0] = 1
@@ -314,21 +442,32 @@ def swiglu_fwd_token_kernel(
                                     T.evaluate(
                                         T.call_extern(
                                             "handle",
-                                            "tk_clamp_count2",
+                                            "tk_clamp_count2_lt" if lt_cnt else "tk_clamp_count2",
                                             T.address_of(cb[0]),
                                             T.address_of(xg[c, 2 * k]),
                                             T.address_of(xu[c, 2 * k]),
                                             c2[0],
                                         )
                                     )
+                        if use_b16:
+                            for c in T.unroll(UC):
+                                for k in T.unroll(VEC // 2):
+                                    _clamp_bf16x2(
+                                        T.address_of(xg[c, 2 * k]), T.address_of(xu[c, 2 * k]), _bf16_pair(clamp)
+                                    )
                         for c in T.unroll(UC, explicit=True):  # the pairing below needs constant c
                             col = it * span + c * (32 * VEC) + lane * VEC
                             am[c] = T.float32(0)
                             dm[0] = T.uint32(0)
-                            for i in T.unroll(VEC):
-                                g0 = T.cast(xg[c, i], "float32")
-                                u0 = T.cast(xu[c, i], "float32")
-                                g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
+                            for i in T.unroll(VEC, explicit=words):
+                                g0 = _widen(xg, c, i, words)
+                                u0 = _widen(xu, c, i, words)
+                                if use_nan:
+                                    g1, u1 = _swiglu_nan(g0, u0, clamp)
+                                elif use_b16:
+                                    g1, u1 = g0, u0
+                                else:
+                                    g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
                                 if count and not packed_cnt:
                                     if ph == 0:
                                         cnt[0] += T.if_then_else(cg, 1, 0)
@@ -420,19 +559,30 @@ def swiglu_fwd_token_kernel(
                                 + T.reinterpret(T.bitwise_and(cb[k], T.uint32(0xFFFF0000)), "float32"),
                                 "int32",
                             )
-                cnt[2] = cnt[2] - cnt[1]  # #{|u| > c} - #{u > c} = #{u < -c}
-                for k in T.unroll(4):
+                if not lt_cnt:
+                    cnt[2] = cnt[2] - cnt[1]  # #{|u| > c} - #{u > c} = #{u < -c}
+                if pack:
+                    cnt[0] = cnt[0] + T.shift_left(cnt[1], 10) + T.shift_left(cnt[2], 20) + T.shift_left(cnt[3], 30)
                     for off in (16, 8, 4, 2, 1):
-                        cnt[k] += T.shfl_xor(cnt[k], off)
-                if lane == 0:
+                        cnt[0] += T.shfl_xor(cnt[0], off)
+                    if lane == 0:
+                        red[tx // 32, 0] = cnt[0]
+                else:
                     for k in T.unroll(4):
-                        red[tx // 32, k] = cnt[k]
+                        for off in (16, 8, 4, 2, 1):
+                            cnt[k] += T.shfl_xor(cnt[k], off)
+                    if lane == 0:
+                        for k in T.unroll(4):
+                            red[tx // 32, k] = cnt[k]
                 T.sync_threads()
                 if tx < 4:
                     tot = T.alloc_local((1,), "int64")
                     tot[0] = T.int64(0)
                     for w in T.unroll(warps):
-                        tot[0] += T.cast(red[w, tx], "int64")
+                        if pack:
+                            tot[0] += T.cast(T.bitwise_and(T.shift_right(red[w, 0], tx * 10), 1023), "int64")
+                        else:
+                            tot[0] += T.cast(red[w, tx], "int64")
                     if tx == 3:
                         tot[0] = tot[0] * T.int64(H)
                     if tx < n_cnt:
@@ -649,8 +799,15 @@ def swiglu_fwd_channel_kernel(
     threads: int = THREADS,
     min_blocks: int = MIN_BLOCKS,
     fast_div: bool = True,
+    clamp_impl: str = "nan",
+    widen_words: bool = True,
+    amax_act: bool = True,
 ):
-    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``)."""
+    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
+    ``clamp_impl``: see ``NAN_CLAMP_BF16``. ``widen_words``: the inputs widened through ``BF16_WORDS``.
+    ``amax_act``: the column amax taken over the float32 activations and rounded to bf16 once, at the scale rule,
+    instead of over the widened bf16 values: the same value, since rounding is monotonic (``max_t RN(|x_t|) =
+    RN(max_t |x_t|)``, NaN ignored by both maxima), without widening every ``a`` back for it."""
     H = hidden
     NT = T.dynamic("num_tokens")
     nm = T.dynamic("nm")
@@ -663,7 +820,14 @@ def swiglu_fwd_channel_kernel(
     SEGS = bm // 16
     n_out = T.dynamic("n_out")
     out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
-    prelude = DIV_FAST if fast_div else None
+    use_nan = clamp_on and clamp_impl == "nan"
+    use_b16 = clamp_on and clamp_impl == "bf16"
+    prelude = (
+        (DIV_FAST if fast_div else "")
+        + (NAN_CLAMP if use_nan else "")
+        + (NAN_CLAMP_BF16 if use_b16 else "")
+        + (BF16_WORDS if widen_words else "")
+    ) or None
 
     @T.prim_func
     def main(
@@ -701,27 +865,53 @@ def swiglu_fwd_channel_kernel(
                     xg[r, i] = x[by * bm + rl * RPT + r, col + i]
                 for i in T.vectorized(VEC):
                     xu[r, i] = x[by * bm + rl * RPT + r, H + col + i]
+            if use_b16:
+                for r in T.unroll(RPT):
+                    for k in T.unroll(VEC // 2):
+                        _clamp_bf16x2(T.address_of(xg[r, 2 * k]), T.address_of(xu[r, 2 * k]), _bf16_pair(clamp))
             for i in T.unroll(VEC):
                 am[i] = T.float32(0)
             for r in T.unroll(RPT):
                 dm[0] = T.uint32(0)
-                for i in T.unroll(VEC):
-                    g1, u1, _, _ = _swiglu(T.cast(xg[r, i], "float32"), T.cast(xu[r, i], "float32"), clamp_on, clamp)
+                for i in T.unroll(VEC, explicit=widen_words):
+                    if use_nan:
+                        g1, u1 = _swiglu_nan(_widen(xg, r, i, widen_words), _widen(xu, r, i, widen_words), clamp)
+                    elif use_b16:
+                        g1, u1 = _widen(xg, r, i, widen_words), _widen(xu, r, i, widen_words)
+                    else:
+                        g1, u1, _, _ = _swiglu(
+                            _widen(xg, r, i, widen_words), _widen(xu, r, i, widen_words), clamp_on, clamp
+                        )
                     if fast_div:
                         gs[i] = g1
                         us[i] = u1
                         dm[0] = T.max(dm[0], fast_div_key(g1))
+                    elif amax_act:
+                        av = _act(g1, u1, None, False, False)
+                        a[r, i] = T.cast(av, "bfloat16")
+                        am[i] = T.max(am[i], T.abs(av))
                     else:
                         a[r, i] = T.cast(_act(g1, u1, None, False, False), "bfloat16")
                 if fast_div:
                     if fast_div_ok(dm[0]):
                         for i in T.unroll(VEC):
-                            a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
+                            if amax_act:
+                                av = _act(gs[i], us[i], None, False, True)
+                                a[r, i] = T.cast(av, "bfloat16")
+                                am[i] = T.max(am[i], T.abs(av))
+                            else:
+                                a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
                     else:
                         for i in T.unroll(VEC):
-                            a[r, i] = T.cast(_act(gs[i], us[i], None, False, False), "bfloat16")
-                for i in T.unroll(VEC):
-                    am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
+                            if amax_act:
+                                av = _act(gs[i], us[i], None, False, False)
+                                a[r, i] = T.cast(av, "bfloat16")
+                                am[i] = T.max(am[i], T.abs(av))
+                            else:
+                                a[r, i] = T.cast(_act(gs[i], us[i], None, False, False), "bfloat16")
+                if not amax_act:
+                    for i in T.unroll(VEC):
+                        am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
             for i in T.unroll(VEC):
                 for off in offsets:
                     am[i] = T.max(am[i], T.shfl_xor(am[i], off))
@@ -734,6 +924,8 @@ def swiglu_fwd_channel_kernel(
                 cm[0] = red[0, tx]
                 for w in T.unroll(1, WARPS):
                     cm[0] = T.max(cm[0], red[w, tx])
+                if amax_act:
+                    cm[0] = T.cast(T.cast(cm[0], "bfloat16"), "float32")
                 s, si = _scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
                 sf[by, bx * COLS + tx] = s
                 sinv[tx] = si
@@ -803,6 +995,9 @@ def swiglu_forward_and_per_token_cast_(
         min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype]),
         pair_scales=True,
         weighted=topk_weights is not None,
+        pack_counts=True,
+        clamp_impl=clamp_impl_for(x.dtype, clamp_value),
+        widen_words=True,
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
@@ -888,6 +1083,9 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         round_sf=round_sf,
         transpose=transpose,
         clamp_on=clamp_value is not None,
+        clamp_impl=clamp_impl_for(x.dtype, clamp_value),
+        widen_words=True,
+        amax_act=True,
         **CHANNEL_TUNING[bm],
     )
     k(
