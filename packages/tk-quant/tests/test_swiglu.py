@@ -446,11 +446,10 @@ CHAN_VARIANTS = [
     dict(hidden=7168, bm=128, round_sf=True, transpose=True, clamp_on=False),
     dict(hidden=576, bm=32, round_sf=False, transpose=True, clamp_on=True),
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="nan", widen_words=True,
-         amax_act=True, **S.CHANNEL_TUNING[32]),
+         **S.CHANNEL_TUNING[32]),
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="bf16", widen_words=True,
-         amax_act=True, **S.CHANNEL_TUNING[32]),
-    dict(hidden=1024, bm=128, round_sf=False, transpose=True, clamp_on=True, clamp_impl="bf16", widen_words=True,
-         amax_act=True),
+         **S.CHANNEL_TUNING[32]),
+    dict(hidden=1024, bm=128, round_sf=False, transpose=True, clamp_on=True, clamp_impl="bf16", widen_words=True),
 ]
 
 

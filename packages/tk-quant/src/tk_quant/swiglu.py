@@ -801,13 +801,12 @@ def swiglu_fwd_channel_kernel(
     fast_div: bool = True,
     clamp_impl: str = "nan",
     widen_words: bool = True,
-    amax_act: bool = True,
 ):
     """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
     ``clamp_impl``: see ``NAN_CLAMP_BF16``. ``widen_words``: the inputs widened through ``BF16_WORDS``.
-    ``amax_act``: the column amax taken over the float32 activations and rounded to bf16 once, at the scale rule,
-    instead of over the widened bf16 values: the same value, since rounding is monotonic (``max_t RN(|x_t|) =
-    RN(max_t |x_t|)``, NaN ignored by both maxima), without widening every ``a`` back for it."""
+    The column amax is taken over the float32 activations and rounded to bf16 once, at the scale rule: the amax of
+    the bf16 activations, since rounding is monotonic (``max_t RN(|x_t|) = RN(max_t |x_t|)``, NaN ignored by both
+    maxima), without widening every ``a`` back for it."""
     H = hidden
     NT = T.dynamic("num_tokens")
     nm = T.dynamic("nm")
@@ -828,6 +827,12 @@ def swiglu_fwd_channel_kernel(
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if widen_words else "")
     ) or None
+
+    @T.macro
+    def put_act(a, am, r, i, av):
+        """Activation ``av`` (float32) of row ``r``, column ``i``: stored as bf16, and into the column amax."""
+        a[r, i] = T.cast(av, "bfloat16")
+        am[i] = T.max(am[i], T.abs(av))
 
     @T.prim_func
     def main(
@@ -886,32 +891,15 @@ def swiglu_fwd_channel_kernel(
                         gs[i] = g1
                         us[i] = u1
                         dm[0] = T.max(dm[0], fast_div_key(g1))
-                    elif amax_act:
-                        av = _act(g1, u1, None, False, False)
-                        a[r, i] = T.cast(av, "bfloat16")
-                        am[i] = T.max(am[i], T.abs(av))
                     else:
-                        a[r, i] = T.cast(_act(g1, u1, None, False, False), "bfloat16")
+                        put_act(a, am, r, i, _act(g1, u1, None, False, False))
                 if fast_div:
                     if fast_div_ok(dm[0]):
                         for i in T.unroll(VEC):
-                            if amax_act:
-                                av = _act(gs[i], us[i], None, False, True)
-                                a[r, i] = T.cast(av, "bfloat16")
-                                am[i] = T.max(am[i], T.abs(av))
-                            else:
-                                a[r, i] = T.cast(_act(gs[i], us[i], None, False, True), "bfloat16")
+                            put_act(a, am, r, i, _act(gs[i], us[i], None, False, True))
                     else:
                         for i in T.unroll(VEC):
-                            if amax_act:
-                                av = _act(gs[i], us[i], None, False, False)
-                                a[r, i] = T.cast(av, "bfloat16")
-                                am[i] = T.max(am[i], T.abs(av))
-                            else:
-                                a[r, i] = T.cast(_act(gs[i], us[i], None, False, False), "bfloat16")
-                if not amax_act:
-                    for i in T.unroll(VEC):
-                        am[i] = T.max(am[i], T.abs(T.cast(a[r, i], "float32")))
+                            put_act(a, am, r, i, _act(gs[i], us[i], None, False, False))
             for i in T.unroll(VEC):
                 for off in offsets:
                     am[i] = T.max(am[i], T.shfl_xor(am[i], off))
@@ -924,8 +912,7 @@ def swiglu_fwd_channel_kernel(
                 cm[0] = red[0, tx]
                 for w in T.unroll(1, WARPS):
                     cm[0] = T.max(cm[0], red[w, tx])
-                if amax_act:
-                    cm[0] = T.cast(T.cast(cm[0], "bfloat16"), "float32")
+                cm[0] = T.cast(T.cast(cm[0], "bfloat16"), "float32")  # the amax of the bf16 activations
                 s, si = _scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
                 sf[by, bx * COLS + tx] = s
                 sinv[tx] = si
@@ -1085,7 +1072,6 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         clamp_on=clamp_value is not None,
         clamp_impl=clamp_impl_for(x.dtype, clamp_value),
         widen_words=True,
-        amax_act=True,
         **CHANNEL_TUNING[bm],
     )
     k(
