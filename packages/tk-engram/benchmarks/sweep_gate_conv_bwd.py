@@ -38,11 +38,11 @@ except ImportError:  # the frozen copy lives outside the repository
     gcb_old = None
 
 
-def bp(vecs4096=1, hoist4096=False, vecs7168=1, hoist7168=False, ahead=True):
+def bp(vecs4096=1, hoist4096=False, vecs7168=1, hoist7168=False, ahead=True, planes4096=True, planes7168=False):
     """``BWD_PARAMS`` from the choices for fused-dconv rows (d <= 4096) and wider rows."""
     return {
-        True: dict(vecs=vecs4096, hoist_w=hoist4096, ahead=ahead),
-        False: dict(vecs=vecs7168, hoist_w=hoist7168, ahead=ahead),
+        True: dict(vecs=vecs4096, hoist_w=hoist4096, ahead=ahead, planes=planes4096),
+        False: dict(vecs=vecs7168, hoist_w=hoist7168, ahead=ahead, planes=planes7168),
     }
 
 
@@ -50,6 +50,7 @@ VARIANTS = {  # name: BWD_PARAMS; ``new`` = the op default (also timed with the 
     "new": gate_conv.BWD_PARAMS,
     "v1": bp(1, False, 1, False),  # 1 vector per thread at every width (session 3's layout)
     "v2": bp(2, True, 2, False),  # 2 vectors per thread at every width, weights hoisted at d=4096
+    "planes": bp(1, False, 2, False, planes7168=True),  # the two-plane float32 rows also at d=7168
 }
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
@@ -76,6 +77,8 @@ def kernel_params(impl, bwd, d, taps, dil, dtype):
     p = dict(dtype=TL[dtype], d=d, taps=taps, dilation=dil)
     fused = K.fuse_dconv(d)
     mp = dict(p, chunk=gate_conv.CHUNK, with_dconv=fused, **bwd[fused])
+    if impl == "old":
+        mp.pop("planes", None)  # a layout of shared memory only: the old kernels have the contiguous rows
     return mp, None if fused else dict(p, **gate_conv.DCONV_PARAMS)
 
 

@@ -206,6 +206,21 @@ def test_decode_validation_errors():
         EngramDecodeFwdOp(eps=-1.0)
 
 
+def test_decode_plan_cpu():
+    from tk_engram import decode
+
+    for d in (200, 1088, 4096, 7168):
+        for B in (1, 3, 8, 13, 16):
+            assert decode.decode_plan(B, 2048, d)[0] == "gemv"
+        assert decode.decode_plan(17, 2048, d)[0] == decode.decode_plan(64, 2048, d)[0] == "fused"
+    assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
+    assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
+    part, sums = decode.decode_scratch(8, 2048, 7168, "cpu")
+    assert part.numel() == 0 and sums.shape == (8, 112, 4)
+    part, sums = decode.decode_scratch(64, 2048, 7168, "cpu")
+    assert part.shape == (decode.fused_config(64, 2048, 7168)["splits"], 2, 64, 7168) and sums.shape == (64, 112, 4)
+
+
 def test_row_layout():
     for d in (8, 200, 264, 4096, 7168, 8192, 12288):
         slots, threads = K.row_layout(d)
@@ -268,15 +283,32 @@ DECODE_VARIANTS = [("bfloat16", 2048, 4096, 4, 1), ("bfloat16", 2048, 7168, 4, 3
 def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     from tk_engram import decode
 
-    for B in (1, 64):
+    p = dict(dtype=dtype, d_mem=d_mem, d=d, taps=taps, dilation=dilation)
+    path, cfg = decode.decode_plan(1, d_mem, d)
+    assert path == "gemv"
+    src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
+    assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src
+    path, cfg = decode.decode_plan(64, d_mem, d)
+    assert path == "fused"
+    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
+    assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
+    for B in (1, 64):  # the two-launch path: large batches, and smaller GPUs
         cfg = decode.proj_config(B, d_mem, d)
         src = assert_compiles(decode.decode_proj_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, **cfg)
         assert "mma" in src and "cp_async" in src
         assert_compiles(decode.decode_step_kernel, arch, dtype=dtype, d=d, taps=taps, dilation=dilation,
                         splits=cfg["splits"], cluster=decode.STEP_CLUSTER)
-        src = assert_compiles(decode.decode_fused_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, taps=taps,
-                              dilation=dilation, **decode.fused_config(B, d_mem, d))
-        assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_decode_gemv_odd_d(arch):
+    """The GEMV kernel at a d of 17 panels (a multiple of 64, no anchor) with the anchors' d_mem."""
+    from tk_engram import decode
+
+    path, cfg = decode.decode_plan(8, 2048, 1088)
+    assert path == "gemv"
+    assert_compiles(decode.decode_gemv_kernel, arch, dtype="bfloat16", d_mem=2048, d=1088, taps=4, dilation=2, **cfg)
 
 
 # ------------------------------------------------------------------------------------------------ gpu tier
@@ -335,8 +367,9 @@ def test_gpu_fwd_silu_outside_the_fast_division_range():
     assert_equal(out[0][..., 100:164], out[1][..., 100:164])  # silu(0) = 0: Y = vhat + 0 exactly
 
 
-# budget 0: every weight read from global memory and the n ring in the input dtype; the IEEE division everywhere
-FWD_KERNEL_VARIANTS = [dict(budget=0), dict(fast_div=False)]
+# budget 0: every weight read from global memory and the n ring in the input dtype; the IEEE division everywhere;
+# the float32 shared rows with contiguous vectors (no planes)
+FWD_KERNEL_VARIANTS = [dict(budget=0), dict(fast_div=False), dict(planes=False)]
 
 
 @pytest.mark.gpu
@@ -361,6 +394,29 @@ def test_gpu_fwd_kernel_variants_are_bit_identical(M, T, d, taps, dilation, dtyp
     for v in FWD_KERNEL_VARIANTS:
         for a, b in zip(run(**v), default, strict=True):
             assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES[:4])
+def test_gpu_bwd_shared_layouts_are_bit_identical(M, T, d, taps, dilation, dtype):
+    """The backward's float32 shared rows in two planes or contiguous: the same bits in every output."""
+    from tk_engram.gate_conv import BWD_PARAMS, CHUNK, _num_parts
+
+    x = _inputs(M, T, d, taps, dtype, "cuda")
+    stats = engram_gate_conv_fwd(*x, dilation=dilation)[2:6]
+    dY = torch.randn(M, T, d, device="cuda").to(dtype)
+    fused = K.fuse_dconv(d)
+    p = dict(dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype], d=d, taps=taps, dilation=dilation,
+             chunk=CHUNK, with_dconv=fused, **BWD_PARAMS[fused])
+
+    def run(planes):
+        out = [torch.full((M, T, d), float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
+        out.append(torch.full((_num_parts(M, T, dilation), 2 + taps if fused else 2, d), float("nan"), device="cuda"))
+        K.gate_conv_bwd_kernel.get(x[0].device, **dict(p, planes=planes))(dY, *x, *stats, *out)
+        return out
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert_equal(a, b)
 
 
 @pytest.mark.gpu
@@ -459,10 +515,13 @@ def test_gpu_opcheck_compile_and_cuda_graph():
         assert_equal(a, b)
 
 
-# fused kernel: block_m 16 (1 and 4 splits), block_m 64 with 2 splits and a partial row tile; B=70 at d=7168
-# has too many panel finishers for the fused kernel and takes the two-launch path.
+# GEMV kernel up to 16 rows (odd batches, ragged d = 200 and d_mem = 520, the anchors' d_mem at d = 7168, a full
+# 16-row tile at d = 1088); fused kernel with block_m 64, 2 splits and a partial row tile; B=70 at d=7168 has too
+# many panel finishers for the fused kernel and takes the two-launch path.
 DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.bfloat16),
-                (33, 1024, 4096, 4, 3, torch.bfloat16), (70, 512, 7168, 4, 3, torch.bfloat16)]
+                (13, 2048, 7168, 4, 3, torch.bfloat16), (16, 520, 1088, 4, 2, torch.bfloat16),
+                (3, 24, 200, 4, 1, torch.bfloat16), (33, 1024, 4096, 4, 3, torch.bfloat16),
+                (70, 512, 7168, 4, 3, torch.bfloat16)]
 
 
 def _decode_inputs(B, d_mem, d, taps, dtype):
@@ -477,6 +536,8 @@ def _decode_inputs(B, d_mem, d, taps, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,d_mem,d,taps,dilation,dtype", DECODE_CASES)
 def test_gpu_decode_matches_reference(B, d_mem, d, taps, dilation, dtype):
+    from tk_engram import decode
+
     e, h, WK, WV, wh, wv, cw = _decode_inputs(B, d_mem, d, taps, dtype)
     L = dilation * (taps - 1) + 1  # a longer ring than needed
     state = torch.randn(B, L, d, device="cuda").to(dtype)
@@ -491,6 +552,7 @@ def test_gpu_decode_matches_reference(B, d_mem, d, taps, dilation, dtype):
     s2 = st_ref.clone()
     y2 = engram_decode_step(e, h, s2, pos, WK, WV, wh, wv, cw, dilation=dilation)
     assert_equal(y, y2)
+    assert not decode._counters(h.device)[decode._GEMV_CTR:].any()  # the GEMV kernel's counters are back at zero
 
 
 @pytest.mark.gpu

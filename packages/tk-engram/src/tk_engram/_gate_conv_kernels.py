@@ -98,6 +98,32 @@ def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int):
                 dst[s * VEC + e] = src[m, t, c0 + e]
 
 
+def f32_rows(width: int, planes: bool):
+    """``(col, load, store)`` for float32 rows of ``width`` columns in shared memory, each thread's 8-vector at the
+    column ``c0`` of its first element. ``planes``: the vectors are split into two planes (elements 0-3 of every
+    vector, then elements 4-7), so that a warp's 16-byte accesses cover 512 contiguous bytes; with the vectors
+    contiguous (a 32-byte stride per thread) every access is a 2-way bank conflict. ``col(c0, e)``: where element
+    ``e`` lives; ``load(dst, buf, row, c0)`` / ``store(buf, row, c0, src)`` move a vector as two 16-byte halves."""
+    half = width // 2
+
+    def col(c0, e):
+        return (e // 4) * half + c0 // 2 + e % 4 if planes else c0 + e
+
+    @T.macro
+    def load(dst, buf, row, c0):
+        for h in T.unroll(2):
+            for e in T.vectorized(4):
+                dst[h * 4 + e] = buf[row, col(c0, 4 * h) + e]
+
+    @T.macro
+    def store(buf, row, c0, src):
+        for h in T.unroll(2):
+            for e in T.vectorized(4):
+                buf[row, col(c0, 4 * h) + e] = src[h * 4 + e]
+
+    return col, load, store
+
+
 def row_layout(d: int) -> tuple[int, int]:
     """(slots, threads) for a d-row: slots * threads * 8 >= d, threads a multiple of 32, at most 1024."""
     nvec = ceil_div(d, VEC)
@@ -137,7 +163,7 @@ def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
-                         min_blocks: int = 2, budget: int = 74 * 1024, fast_div: bool = True):
+                         min_blocks: int = 2, budget: int = 74 * 1024, fast_div: bool = True, planes: bool = True):
     """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
     d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
     overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle
@@ -155,7 +181,8 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
 
     The ``taps - 1`` halo tokens a CTA walks before its chunk (they belong to the previous chunk) only feed the n
     ring: they compute the row sums, the gate and n, but skip the convolution, SiLU and every store (about 55 % of
-    a token's work, on 3 of 35 tokens at chunk 32 and 4 taps)."""
+    a token's work, on 3 of 35 tokens at chunk 32 and 4 taps). ``planes``: the float32 rows of shared memory (the
+    weights, the float32 n ring) in two planes (``f32_rows``: no bank conflicts)."""
     slots, threads = fwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -166,6 +193,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     EV = slots * VEC
     NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
     rdt = "float32" if ring32 else dtype
+    col, load32, store32 = f32_rows(DP, planes)
     # cross-warp sum: lane groups of G lanes (a power of two >= nwarps), QP of the 4 quantities per group
     G = 8
     while G < nwarps:
@@ -245,17 +273,17 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for e in T.vectorized(VEC):
                                 wl[e] = w_h[c0 + e]
                             for e in T.unroll(VEC):
-                                wsm[p, c0 + e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
+                                wsm[p, col(c0, e)] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
                         elif p == 1:
                             for e in T.vectorized(VEC):
                                 wl[e] = w_v[c0 + e]
                             for e in T.unroll(VEC):
-                                wsm[p, c0 + e] = T.cast(wl[e], f32)
+                                wsm[p, col(c0, e)] = T.cast(wl[e], f32)
                         else:
                             for e in T.vectorized(VEC):
                                 wl[e] = conv_w[taps + 1 - p, c0 + e]
                             for e in T.unroll(VEC):
-                                wsm[p, c0 + e] = T.cast(wl[e], f32)
+                                wsm[p, col(c0, e)] = T.cast(wl[e], f32)
             # the first token of the walk
             t0 = base - dilation * R
             if t0 >= 0 and t0 < L:
@@ -291,8 +319,12 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         load_row(nv, V, bm, tn, tx, slots, threads, d)
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        for e in T.vectorized(VEC):
-                            ring[slot, c0 + e] = T.cast(0, rdt)
+                        if ring32:
+                            for e in T.unroll(VEC):
+                                ring[slot, col(c0, e)] = T.cast(0, rdt)
+                        else:
+                            for e in T.vectorized(VEC):
+                                ring[slot, c0 + e] = T.cast(0, rdt)
                         if hist > 0:
                             if t >= L - hist and c0 < d:
                                 for e in T.vectorized(VEC):
@@ -304,8 +336,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
                             if NF > 0:
-                                for e in T.vectorized(VEC):
-                                    wf[e] = wsm[0, c0 + e]
+                                load32(wf, wsm, 0, c0)
                             else:
                                 for e in T.vectorized(VEC):
                                     wl[e] = w_h[c0 + e]
@@ -355,8 +386,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
                             if NF > 1:
-                                for e in T.vectorized(VEC):
-                                    wf[e] = wsm[1, c0 + e]
+                                load32(wf, wsm, 1, c0)
                             else:
                                 for e in T.vectorized(VEC):
                                     wl[e] = w_v[c0 + e]
@@ -374,8 +404,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                 for q in T.unroll(taps, explicit=True):
                                     # tap taps-1-q times n of q chain steps back (q = 0: this token)
                                     if NF > 2 + q:
-                                        for e in T.vectorized(VEC):
-                                            wf[e] = wsm[2 + q, c0 + e]
+                                        load32(wf, wsm, 2 + q, c0)
                                     else:
                                         for e in T.vectorized(VEC):
                                             wl[e] = conv_w[taps - 1 - q, c0 + e]
@@ -386,8 +415,11 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                         for e in T.unroll(VEC):
                                             uu[e] = wf[e] * nf[e]
                                     else:
-                                        for e in T.vectorized(VEC):
-                                            rg[e] = ring[T.truncmod(it - q + RS * taps, RS), c0 + e]
+                                        if ring32:
+                                            load32(rg, ring, T.truncmod(it - q + RS * taps, RS), c0)
+                                        else:
+                                            for e in T.vectorized(VEC):
+                                                rg[e] = ring[T.truncmod(it - q + RS * taps, RS), c0 + e]
                                         if ring32:
                                             for e in T.unroll(VEC):
                                                 uu[e] += wf[e] * rg[e]
@@ -417,8 +449,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     for k in T.unroll(VEC // 2):
                                         silu_pair(yo, uu, tt, vf, k, False)
                             if ring32:
-                                for e in T.vectorized(VEC):
-                                    ring[slot, c0 + e] = nf[e]
+                                store32(ring, slot, c0, nf)
                             else:
                                 for e in T.vectorized(VEC):
                                     ring[slot, c0 + e] = no[e]
@@ -526,7 +557,7 @@ def bwd_elementwise(dtype: str):
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
-                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True):
+                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True, planes: bool = True):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
     per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
@@ -542,10 +573,15 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     with stage B's at the top of their own iteration (8 registers fewer per vector, still one round trip per
     iteration).
 
-    The kernel is issue-bound, so each element takes as few instructions as bit-exact results allow (every
+    Each element takes as few instructions as bit-exact results allow (every
     rounding, product and sum has the operands and order of the per-element formulas): ``bwd_elementwise``'s
     widening, pair rounding of n, the gated fast reciprocal and reduce-scatter butterflies for the four row
-    sums."""
+    sums.
+
+    ``planes``: the float32 rows in shared memory (ring_g, accw, dacc) in two planes (``f32_rows``; ncu at d=4096:
+    45 % of the shared-memory wavefronts were bank conflicts; the planes took the kernel from 309 to 261 us). At
+    d=7168 (2 vectors per thread, 128 registers) they measured 6 % slower, and the op keeps the vectors contiguous.
+    """
     slots, threads = bwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -563,6 +599,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     NP = T.dynamic("num_parts")
     f32 = "float32"
     prelude, el, pack, sigmoid = bwd_elementwise(dtype)
+    _, load32, store32 = f32_rows(DP, planes)
 
     @T.prim_func
     def main(
@@ -631,12 +668,10 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for e in T.vectorized(VEC):
                                 part[pid, p, c0 + e] = aw[e]
                     else:
-                        for e in T.vectorized(VEC):
-                            accw[p, c0 + e] = aw[e]
+                        store32(accw, p, c0, aw)
                 if with_dconv:
                     for p in T.unroll(taps):
-                        for e in T.vectorized(VEC):
-                            dacc[p, c0 + e] = aw[e]
+                        store32(dacc, p, c0, aw)
             # stage A's first rows (the walk starts R chain tokens before the chunk)
             t0 = base - dilation * R
             if ahead and t0 >= 0:
@@ -704,25 +739,20 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     gv[e] = el(ad, s * VEC, k, j) * (sg[e] * (T.float32(1) + uu[e] * (T.float32(1) - sg[e])))
                             if with_dconv:
                                 if it >= R and it < R + chunk:
-                                    for e in T.vectorized(VEC):
-                                        aw[e] = dacc[taps - 1, c0 + e]
+                                    load32(aw, dacc, taps - 1, c0)
                                     for k in T.unroll(VEC // 2):
                                         for j in T.unroll(2, explicit=True):
                                             e = 2 * k + j
                                             aw[e] += gv[e] * el(nn, 0, k, j)
-                                    for e in T.vectorized(VEC):
-                                        dacc[taps - 1, c0 + e] = aw[e]
+                                    store32(dacc, taps - 1, c0, aw)
                                     for q in T.unroll(1, taps):
-                                        for e in T.vectorized(VEC):
-                                            aw[e] = dacc[taps - 1 - q, c0 + e]
+                                        load32(aw, dacc, taps - 1 - q, c0)
                                         for k in T.unroll(VEC // 2):
                                             for j in T.unroll(2, explicit=True):
                                                 e = 2 * k + j
                                                 aw[e] += gv[e] * el(rn, (q - 1) * VEC, k, j)
-                                        for e in T.vectorized(VEC):
-                                            dacc[taps - 1 - q, c0 + e] = aw[e]
-                            for e in T.vectorized(VEC):
-                                ring_g[gj, c0 + e] = gv[e]
+                                        store32(dacc, taps - 1 - q, c0, aw)
+                            store32(ring_g, gj, c0, gv)
                             for e in T.vectorized(VEC):
                                 ring_n[sj, c0 + e] = nn[e]
                 else:
@@ -730,8 +760,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         c0 = (s * threads + tx) * VEC
                         for e in T.vectorized(VEC):
                             gv[e] = T.float32(0)
-                        for e in T.vectorized(VEC):
-                            ring_g[gj, c0 + e] = gv[e]
+                        store32(ring_g, gj, c0, gv)
                 # ---- stage B: token i = it - 2R (norm and gate backward, dH, dk, dv) ----
                 if do_b:
                     a = alpha[bm, ti]
@@ -748,8 +777,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             for e in T.unroll(VEC):
                                 gn[s * VEC + e] = T.float32(0)
                             for q in T.unroll(taps):
-                                for e in T.vectorized(VEC):
-                                    gv[e] = ring_g[T.truncmod(it - R + q + taps * taps, taps), c0 + e]
+                                load32(gv, ring_g, T.truncmod(it - R + q + taps * taps, taps), c0)
                                 for k in T.unroll(VEC // 2):
                                     for j in T.unroll(2, explicit=True):
                                         e = 2 * k + j
@@ -785,8 +813,11 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
                             for p in T.unroll(2):
-                                for e in T.vectorized(VEC):
-                                    aw[e] = part[pid, p, c0 + e] if acc_global else accw[p, c0 + e]
+                                if acc_global:
+                                    for e in T.vectorized(VEC):
+                                        aw[e] = part[pid, p, c0 + e]
+                                else:
+                                    load32(aw, accw, p, c0)
                                 for k in T.unroll(VEC // 2):
                                     for j in T.unroll(2, explicit=True):
                                         e = 2 * k + j
@@ -801,8 +832,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     for e in T.vectorized(VEC):
                                         part[pid, p, c0 + e] = aw[e]
                                 else:
-                                    for e in T.vectorized(VEC):
-                                        accw[p, c0 + e] = aw[e]
+                                    store32(accw, p, c0, aw)
                             for k in T.unroll(VEC // 2):
                                 for j in T.unroll(2, explicit=True):
                                     e = 2 * k + j
@@ -826,12 +856,14 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                 if c0 < d:
                     if not acc_global:
                         for p in T.unroll(2):
+                            load32(aw, accw, p, c0)
                             for e in T.vectorized(VEC):
-                                part[pid, p, c0 + e] = accw[p, c0 + e]
+                                part[pid, p, c0 + e] = aw[e]
                     if with_dconv:
                         for p in T.unroll(taps):
+                            load32(aw, dacc, p, c0)
                             for e in T.vectorized(VEC):
-                                part[pid, 2 + p, c0 + e] = dacc[p, c0 + e]
+                                part[pid, 2 + p, c0 + e] = aw[e]
 
     return main
 

@@ -14,18 +14,25 @@ object does ``cache_pos += 1`` by default). A zero cache with cache_pos = 0 is a
 prefill followed by N decode steps reproduces the prefill of all T + N tokens. Only the w-1 lagged slots are
 read and one slot written per step (no shift copy).
 
-Kernels: by default one launch (``decode_fused_kernel``): a tensor-core projection for both weights (W read
-once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the grid fills the GPU
-at small batch) whose last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes the
-panel's row sums and, after a barrier among the panel finishers, does the gate, convolution and cache update for
-its columns. Deterministic: every sum has a fixed order, no float atomics. When there are too many panel
-finishers for the SMs (large batch), two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER``
-CTAs per row (``decode_step_kernel``). Runtime: batch, L, positions, eps.
+Kernels (``decode_plan`` picks one path per shape; every sum has a fixed order, no float atomics, so results
+are identical run to run):
+- up to ``GEMV_MAX_BATCH`` rows, one launch of ``decode_gemv_kernel``: one CTA per 64-column panel of W_K or
+  W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K, no shared memory in the
+  loop); the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
+  8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
+- more rows, one launch of ``decode_fused_kernel``: a tensor-core projection for both weights (W read once for
+  up to 64 rows per 64-column panel; d_mem split into float32 partials so that the grid fills the GPU) whose
+  last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes the panel's row sums
+  and, after a barrier among the panel finishers, does the gate, convolution and cache update for its columns.
+- when there are too many waiting CTAs for the SMs (large batch), two launches: ``decode_proj_kernel``, then a
+  cluster of ``STEP_CLUSTER`` CTAs per row (``decode_step_kernel``).
+Runtime: batch, L, positions, eps.
 
 Roofline bytes (e = element size; the benchmark's ``bytes``):
     2*d_mem*d*e (W_K, W_V) + B*d_mem*e (e_t) + B*d*e (h_t) + B*d*e (y) + B*w*d*e (w-1 cache reads + 1 write)
     + (2 + w)*d*e (weights) + 4*B (positions)
-The float32 partials of k and v (splits*2*B*d*4, written and read once, mostly in L2) are not counted.
+The float32 partials of k and v of the fused and two-launch paths (splits*2*B*d*4, written and read once, mostly
+in L2) and the row sums are not counted.
 """
 
 import functools
@@ -332,7 +339,8 @@ _CTR_LEN = 4096  # int32 words of the per-device counter workspace
 def fused_config(B: int, d_mem: int, d: int, sms: int = _SMS) -> dict:
     """Tiling of ``decode_fused_kernel`` (untimed first guess, see benchmarks/sweep_decode.py).
 
-    Up to 16 rows: block_m 16, 4 stages of 18 KiB (3 CTAs/SM, 64 KiB of W in flight per CTA); d_mem split so
+    Up to 16 rows (no longer launched by the op, which takes ``decode_gemv_kernel`` there; the benchmark's
+    previous path): block_m 16, 4 stages of 18 KiB (3 CTAs/SM, 64 KiB of W in flight per CTA); d_mem split so
     that the CTAs spread evenly over the SMs (the busiest SM sets the time), preferring 2+ CTAs per SM.
     More rows: block_m 64, 3 stages; the float32 partials then cost 2 * 64 * d * 4 bytes per split, so the
     split is the smallest one that keeps 80 % of the SMs busy."""
@@ -555,6 +563,384 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
     return main
 
 
+# Small batches: the register-direct GEMV (``decode_gemv_kernel``). Its counters are two words per row tile from
+# _GEMV_CTR on (the fused kernel's lie below); the last V CTA of a row tile to leave zeroes both.
+GEMV_MAX_BATCH = 16
+GEMV_PANEL = 64  # columns per CTA: a W row segment is 8 lanes x 16 B
+_GEMV_CTR = _CTR_LEN // 2
+
+
+def gemv_config(B: int, d_mem: int, d: int) -> dict:
+    """Tuning of ``decode_gemv_kernel`` (H200 sweep, session 4, d_mem 2048, d 4096 / 7168, B 1 / 8): 16 rows per
+    CTA, 4 warps with 8 k16 steps of W in flight each (8 KiB per warp), 2 CTAs per SM. 8 warps at depth 8
+    (1 CTA/SM at d=4096) or depth 4 (2 CTAs/SM at d=7168) took 5-20 % longer, 16 warps at depth 3 longer still."""
+    return dict(mt=1, nw=4, depth=8, min_blocks=2)
+
+
+def _static(n: int) -> tuple:
+    """A loop unrolled while the kernel is built (plain ``range`` would become a TIR loop)."""
+    return tuple(range(n))
+
+
+def _gemv_prelude(mt: int, dtype: str) -> str:
+    """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles, the W load, the counter."""
+    ab = "bf16" if dtype == "bfloat16" else "f16"
+    return rf"""
+// One k16 step: W rows 4t..4t+3 (4 x 16 B, columns 8g..8g+7) in w, e rows g / g+8 (8 B each, per m-tile) in e.
+__device__ __forceinline__ void tkd_step(float* acc, const void* wp, const void* ep) {{
+  const unsigned* w = reinterpret_cast<const unsigned*>(wp);
+  const unsigned* e = reinterpret_cast<const unsigned*>(ep);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {{
+    // B register = (row 4t (+2), row 4t+1 (+3)) of column 8g + j: element j of each 16-byte row.
+    const unsigned sel = (j & 1) ? 0x7632u : 0x5410u;
+    const unsigned b0 = __byte_perm(w[j / 2], w[4 + j / 2], sel);
+    const unsigned b1 = __byte_perm(w[8 + j / 2], w[12 + j / 2], sel);
+#pragma unroll
+    for (int m = 0; m < {mt}; ++m) {{
+      float* c = acc + (m * 8 + j) * 4;
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "
+          "{{%0,%1,%2,%3}};"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(e[m * 4 + 0]), "r"(e[m * 4 + 2]), "r"(e[m * 4 + 1]), "r"(e[m * 4 + 3]), "r"(b0), "r"(b1));
+    }}
+  }}
+}}
+// W is read once: no L1 allocation (plain LDG measured 5-11 % slower).
+__device__ __forceinline__ void tkd_ldw(void* dst, const void* src) {{
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {{%0,%1,%2,%3}}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
+  *reinterpret_cast<uint4*>(dst) = v;
+}}
+__device__ __forceinline__ void tkd_cp16(void* smem, const void* gmem) {{
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
+}}
+__device__ __forceinline__ void tkd_cp_wait() {{ asm volatile("cp.async.wait_all;" ::: "memory"); }}
+// Arrivals are fire-and-forget release adds on the count (w); V CTAs poll it (acquire) and register their
+// leaving on w + 1; the last to leave resets both (nobody reads them again in this launch).
+__device__ __forceinline__ void tkd_release_add(int* w) {{
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(w) : "memory");
+}}
+__device__ __forceinline__ void tkd_poll(int* w, unsigned n) {{
+  unsigned v;
+  for (long long i = 0;; ++i) {{
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(w) : "memory");
+    if (v >= n) break;
+    if (i > (1ll << 24)) __trap();  // a CTA that never gets an SM would hang the GPU
+    __nanosleep(20);
+  }}
+}}
+__device__ __forceinline__ unsigned tkd_leave(int* w) {{ return atomicAdd(reinterpret_cast<unsigned*>(w) + 1, 1u); }}
+__device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv) {{
+  if (old == nv - 1) {{
+    atomicExch(w, 0);
+    atomicExch(w + 1, 0);
+  }}
+}}
+// Data other CTAs wrote during this launch: read through L2 (L1 is not coherent).
+__device__ __forceinline__ void tkd_ldcg_f32x4(float* dst, const float* src) {{
+  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
+}}
+"""
+
+
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
+                       depth: int = 8, min_blocks: int = 2):
+    """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
+
+    Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
+    kernel's 18.5 / 19.6, at d=7168 23.7 / 23.9 against 25.8 / 26.6; at B=64 (4 m-tiles) 25.4-66 us against
+    26.2 / 33.2, so the op uses it up to ``GEMV_MAX_BATCH`` rows only.
+
+    - Grid (2 NP, batch / (16 mt)), NP = ceil(d / 64): CTA x < NP owns column panel x of W_K, CTA x >= NP panel
+      x - NP of W_V, over all d_mem rows (no float32 partials, no per-panel counter). At B <= 16 that is 128 CTAs
+      (d=4096) or 224 (d=7168), all co-resident at 2 per SM.
+    - W goes from global memory straight into registers: 16-byte ``ld.global.nc.L1::no_allocate``, ``depth`` k16
+      steps ahead, fully unrolled (no shared memory, no barrier in the loop). Warp w streams rows
+      [w SPW 16, (w + 1) SPW 16) of the panel. In a k16 step lane (g = lane / 4, t = lane % 4) loads rows
+      4t..4t+3, columns 8g..8g+7 (a row is 8 lanes x 16 B = 128 contiguous bytes). mma.m16n8k16 (float32
+      accumulation) takes W as its B operand: n-tile j is column 8g + j in n-slot g, and logical k {2t, 2t+1,
+      2t+8, 2t+9} = physical rows {4t..4t+3} (the same k permutation applies to e, so the sum runs over the same
+      products); one PRMT per B register pairs two rows. The A operand is e (batch rows as m, 16 per m-tile),
+      one 8-byte load per row. The accumulators of n-tile j hold columns 16t + j and 16t + 8 + j of rows g, g + 8.
+    - The warps' tiles are summed in shared memory in warp order (deterministic, like every sum below).
+    - K CTAs round k, write the per-row sums h.h, k.k, (h w_h).(k w_h) of their panel to S[b, panel, 0..2],
+      arrive (release add) and exit. V CTAs round v, write v.v to S[b, panel, 3], arrive, poll the row tile's
+      count until all 2 NP arrived, add the panels' sums in a fixed order and do the gate, conv, y and cache
+      update for their columns. The epilogue operands (h, w_h / w_v, conv_w, the lagged cache slots) are
+      cp.async'ed into shared memory right after the first W loads, so they arrive while the loop runs.
+    - Counters: words ``_GEMV_CTR + 2 by`` (count) and ``+ 1`` (V CTAs that left); the last V CTA to leave zeroes
+      both, so every launch finds zeros (CUDA graph replays). The NP waiters of each row tile must fit on the
+      GPU next to the CTAs they wait for (``decode_plan``).
+
+    Thread tx owns columns 8 (tx % 8) .. + 8 of the panel in rows tx / 8 + i (threads / 8) (i < items), so the 8
+    lanes of a row reduce its sums with 3 butterflies. Runtime: batch, cache length, positions, eps."""
+    B = T.dynamic("batch")
+    LC = T.dynamic("cache_len")
+    f32 = "float32"
+    threads = 32 * nw
+    NP = ceil_div(d, GEMV_PANEL)
+    KS = ceil_div(d_mem, 16)  # k16 steps
+    SPW = ceil_div(KS, nw)  # steps per warp
+    P = min(depth, SPW)
+    rows_pred = SPW * nw * 16 != d_mem
+    cols_pred = d % GEMV_PANEL != 0
+    MR = 16 * mt  # batch rows per CTA
+    nv = GEMV_PANEL // VEC
+    items = ceil_div(MR * nv, threads)  # (row, 16-byte column vector) items per thread
+    rstep = threads // nv
+    R = taps - 1
+    inv_d = 1.0 / d
+    inv_sqrt_d = 1.0 / math.sqrt(d)
+    nsum = ceil_div(NP, nv)
+    RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
+    EPW = VEC * max(1 + items, 1 + taps + items * R)  # epilogue operands per thread (elements)
+
+    def valid_w(row, col):
+        """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
+        conds = ([row < d_mem] if rows_pred else []) + ([col < d] if cols_pred else [])
+        return tirx.all(*conds) if conds else True
+
+    def valid_e(row):
+        return row < d_mem if rows_pred else True
+
+    @T.macro
+    def load(E, W, wb, eb, warp, t, g, c0, by, B, s: int):
+        """Step s of this warp into pipeline slot s % P: W rows 4t..4t+3 at column c0, e rows g, g + 8 (per m-tile)."""
+        row0 = (warp * SPW + s) * 16 + 4 * t
+        slot = s % P
+        for r in _static(4):
+            if valid_w(row0 + r, c0):
+                T.call_extern("handle", "tkd_ldw", T.address_of(wb[(slot * 4 + r) * VEC]),
+                              T.address_of(W[row0 + r, c0]))
+            else:
+                for e in T.vectorized(VEC):
+                    wb[(slot * 4 + r) * VEC + e] = T.cast(0, dtype)
+        for m in _static(mt):
+            for h in _static(2):
+                if valid_e(row0):
+                    for e in T.vectorized(4):  # rows >= B only feed discarded rows of the product
+                        eb[((slot * mt + m) * 2 + h) * 4 + e] = E[T.min(by * MR + m * 16 + h * 8 + g, B - 1), row0 + e]
+                else:
+                    for e in T.vectorized(4):
+                        eb[((slot * mt + m) * 2 + h) * 4 + e] = T.cast(0, dtype)
+
+    @T.macro
+    def early_k(Hx, w_h, tx, c0, by, B, ep):
+        """cp.async of this thread's epilogue operands into its row of ``ep``: w_h, then h of each item."""
+        if c0 < d:
+            T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, 0]), T.address_of(w_h[c0]))
+        for i in _static(items):
+            b = by * MR + tx // nv + i * rstep
+            if tx // nv + i * rstep < MR and b < B and c0 < d:
+                T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + i) * VEC]), T.address_of(Hx[b, c0]))
+
+    @T.macro
+    def early_v(w_v, conv_w, state, pos, tx, c0, by, B, LC, ep, rpl):
+        """cp.async of w_v, the taps and each item's lagged cache slots into this thread's row of ``ep``."""
+        if c0 < d:
+            T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, 0]), T.address_of(w_v[c0]))
+            for p in _static(taps):
+                T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + p) * VEC]), T.address_of(conv_w[p, c0]))
+        for i in _static(items):
+            b = by * MR + tx // nv + i * rstep
+            if tx // nv + i * rstep < MR and b < B and c0 < d:
+                # cache_pos >= 0 and L >= dilation * R: lag q+1 wraps at most once.
+                rpl[i] = T.truncmod(pos[b], LC)
+                for q in _static(R):
+                    sl = rpl[i] - (q + 1) * dilation
+                    T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + taps + i * R + q) * VEC]),
+                                  T.address_of(state[b, T.if_then_else(sl < 0, sl + LC, sl), c0]))
+
+    @T.macro
+    def mainloop(E, W, acc, wb, eb, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, is_v: bool):
+        """acc += this warp's rows of e @ W[:, panel]; the epilogue operands are copied to shared memory
+        asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W)."""
+        warp = tx // 32
+        lane = tx % 32
+        g = lane // 4
+        t = lane % 4
+        c0 = panel * GEMV_PANEL + g * VEC
+        ce = panel * GEMV_PANEL + (tx % nv) * VEC
+        for i in T.unroll(mt * 32):
+            acc[i] = T.float32(0)
+        for s in _static(P):
+            load(E, W, wb, eb, warp, t, g, c0, by, B, s)
+        for s in _static(SPW):
+            if s == 0:
+                if is_v:
+                    early_v(w_v, conv_w, state, pos, tx, ce, by, B, LC, ep, rpl)
+                else:
+                    early_k(Hx, w_h, tx, ce, by, B, ep)
+            T.call_extern("handle", "tkd_step", T.address_of(acc[0]), T.address_of(wb[(s % P) * 4 * VEC]),
+                          T.address_of(eb[(s % P) * mt * 8]))
+            if s + P < SPW:
+                load(E, W, wb, eb, warp, t, g, c0, by, B, s + P)
+
+    @T.macro
+    def reduce_tile(acc, red, out, tx):
+        """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8)."""
+        warp = tx // 32
+        lane = tx % 32
+        g = lane // 4
+        t = lane % 4
+        for m in T.unroll(mt):
+            for h in T.unroll(2):
+                for half in T.unroll(2):
+                    for j in T.unroll(VEC):
+                        red[warp, m * 16 + h * 8 + g, t * 16 + half * VEC + j] = acc[(m * 8 + j) * 4 + h * 2 + half]
+        T.sync_threads()
+        cv = tx % nv
+        for i in T.unroll(items):
+            r = tx // nv + i * rstep
+            if r < MR:
+                for e in T.unroll(VEC):
+                    out[i * VEC + e] = red[0, r, cv * VEC + e]
+                for w in T.unroll(1, nw):
+                    for e in T.unroll(VEC):
+                        out[i * VEC + e] += red[w, r, cv * VEC + e]
+
+    @T.prim_func
+    def main(
+        E: T.Tensor((B, d_mem), dtype),
+        WK: T.Tensor((d_mem, d), dtype),
+        WV: T.Tensor((d_mem, d), dtype),
+        Hx: T.Tensor((B, d), dtype),
+        w_h: T.Tensor((d,), dtype),
+        w_v: T.Tensor((d,), dtype),
+        conv_w: T.Tensor((taps, d), dtype),
+        state: T.Tensor((B, LC, d), dtype),
+        pos: T.Tensor((B,), "int32"),
+        Y: T.Tensor((B, d), dtype),
+        S: T.Tensor((B, NP, 4), f32),
+        Ctr: T.Tensor((_CTR_LEN,), "int32"),
+        eps: T.float32,
+    ):
+        with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=_gemv_prelude(mt, dtype)) as (bx, by):
+            red = T.alloc_shared((nw, MR, RS), f32)
+            ep = T.alloc_shared((threads, EPW), dtype)
+            lv = T.alloc_local((1,), "uint32")
+            acc = T.alloc_local((mt * 32,), f32)
+            wb = T.alloc_local((P * 4 * VEC,), dtype)
+            eb = T.alloc_local((P * mt * 8,), dtype)
+            out = T.alloc_local((items * VEC,), f32)
+            part = T.alloc_local((items * 4,), f32)
+            tv = T.alloc_local((4,), f32)
+            xh = T.alloc_local((items * VEC,), dtype)
+            wl = T.alloc_local((VEC,), dtype)
+            cw = T.alloc_local((taps * VEC,), dtype)
+            st = T.alloc_local((items * max(R, 1) * VEC,), dtype)
+            rpl = T.alloc_local((items,), "int32")
+            no = T.alloc_local((VEC,), dtype)
+            yo = T.alloc_local((VEC,), dtype)
+            uu = T.alloc_local((VEC,), f32)
+            T.annotate_min_blocks_per_sm(min_blocks)
+            tx = T.get_thread_binding()
+            cv = tx % nv
+            ctr = _GEMV_CTR + 2 * by
+            if bx < NP:
+                c0 = bx * GEMV_PANEL + cv * VEC
+                mainloop(E, WK, acc, wb, eb, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, False)
+                reduce_tile(acc, red, out, tx)
+                T.call_extern("handle", "tkd_cp_wait")
+                for e in T.vectorized(VEC):
+                    wl[e] = ep[tx, e]
+                for i in T.unroll(items):
+                    for e in T.vectorized(VEC):
+                        xh[i * VEC + e] = ep[tx, (1 + i) * VEC + e]
+                for i in T.unroll(items):
+                    for q in T.unroll(4):
+                        part[i * 4 + q] = T.float32(0)
+                    b = by * MR + tx // nv + i * rstep
+                    if tx // nv + i * rstep < MR and b < B and c0 < d:
+                        for e in T.unroll(VEC):
+                            hv = T.cast(xh[i * VEC + e], f32)
+                            kv = T.cast(T.cast(out[i * VEC + e], dtype), f32)
+                            wh = T.cast(wl[e], f32)
+                            part[i * 4] += hv * hv
+                            part[i * 4 + 1] += kv * kv
+                            part[i * 4 + 2] += hv * kv * (wh * wh)
+                for i in T.unroll(items):
+                    for q in T.unroll(3):
+                        for m in T.unroll(3):
+                            part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
+                    b = by * MR + tx // nv + i * rstep
+                    if cv == 0 and tx // nv + i * rstep < MR and b < B:
+                        for q in T.unroll(3):
+                            S[b, bx, q] = part[i * 4 + q]
+                T.sync_threads()
+                if tx == 0:
+                    T.call_extern("handle", "tkd_release_add", T.address_of(Ctr[ctr]))
+            else:
+                panel = bx - NP
+                c0 = panel * GEMV_PANEL + cv * VEC
+                mainloop(E, WV, acc, wb, eb, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, True)
+                reduce_tile(acc, red, out, tx)
+                for i in T.unroll(items):
+                    part[i * 4] = T.float32(0)
+                    b = by * MR + tx // nv + i * rstep
+                    if tx // nv + i * rstep < MR and b < B and c0 < d:
+                        for e in T.unroll(VEC):
+                            vv = T.cast(T.cast(out[i * VEC + e], dtype), f32)
+                            out[i * VEC + e] = vv
+                            part[i * 4] += vv * vv
+                for i in T.unroll(items):
+                    for m in T.unroll(3):
+                        part[i * 4] += T.shfl_xor(part[i * 4], 1 << m)
+                    b = by * MR + tx // nv + i * rstep
+                    if cv == 0 and tx // nv + i * rstep < MR and b < B:
+                        S[b, panel, 3] = part[i * 4]
+                T.sync_threads()
+                if tx == 0:
+                    T.call_extern("handle", "tkd_release_add", T.address_of(Ctr[ctr]))
+                    T.call_extern("handle", "tkd_poll", T.address_of(Ctr[ctr]), 2 * NP)
+                    # its result is needed only at the very end: the atomic overlaps the epilogue
+                    lv[0] = T.call_extern("uint32", "tkd_leave", T.address_of(Ctr[ctr]))
+                T.sync_threads()
+                T.call_extern("handle", "tkd_cp_wait")
+                for e in T.vectorized(VEC):
+                    wl[e] = ep[tx, e]
+                for p in T.unroll(taps):
+                    for e in T.vectorized(VEC):
+                        cw[p * VEC + e] = ep[tx, (1 + p) * VEC + e]
+                for i in T.unroll(items):
+                    for q in T.unroll(R):
+                        for e in T.vectorized(VEC):
+                            st[(i * R + q) * VEC + e] = ep[tx, (1 + taps + i * R + q) * VEC + e]
+                # Row totals: lane cv adds panels cv, cv + 8, ... in order, then butterflies over the row's 8 lanes.
+                for i in T.unroll(items):
+                    b = by * MR + tx // nv + i * rstep
+                    for q in T.unroll(4):
+                        part[i * 4 + q] = T.float32(0)
+                    if tx // nv + i * rstep < MR and b < B:
+                        for p in T.unroll(nsum):
+                            if p * nv + cv < NP:
+                                T.call_extern("handle", "tkd_ldcg_f32x4", T.address_of(tv[0]),
+                                              T.address_of(S[b, p * nv + cv, 0]))
+                                for q in T.unroll(4):
+                                    part[i * 4 + q] += tv[q]
+                for i in T.unroll(items):
+                    for q in T.unroll(4):
+                        for m in T.unroll(3):
+                            part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
+                for i in T.unroll(items):
+                    b = by * MR + tx // nv + i * rstep
+                    if tx // nv + i * rstep < MR and b < B and c0 < d:
+                        r_h = T.rsqrt(part[i * 4] * inv_d + eps)
+                        r_k = T.rsqrt(part[i * 4 + 1] * inv_d + eps)
+                        sc = r_h * r_k * part[i * 4 + 2] * inv_sqrt_d
+                        a = T.float32(1) / (T.float32(1) + T.exp(-sc))
+                        r_v = T.rsqrt(a * a * (part[i * 4 + 3] * inv_d) + eps)
+                        write_step(out, wl, cw, st, i * VEC, 0, 0, i * R * VEC, a, r_v, no, uu, yo, Y, state, b,
+                                   rpl[i], c0, taps, dtype)
+                if tx == 0:
+                    T.call_extern("handle", "tkd_leave_done", T.address_of(Ctr[ctr]), lv[0], NP)
+
+    return main
+
+
 def decode_roofline_bytes(B: int, d_mem: int, d: int, taps: int, elem: int = 2) -> int:
     """Bytes one decode step must move (module docstring); 2*d_mem*d*elem of them are W_K and W_V."""
     return (2 * d_mem * d + B * d_mem + 2 * B * d + B * taps * d + (2 + taps) * d) * elem + 4 * B
@@ -572,8 +958,8 @@ _COUNTERS: dict = {}
 
 
 def _counters(device) -> torch.Tensor:
-    """The fused kernel's per-device counter workspace (zeros; the kernel leaves it zeroed). Decode steps
-    on one device must therefore not run concurrently on two streams."""
+    """The one-launch kernels' per-device counter workspace (zeros; every launch leaves its counts at zero). Decode
+    steps on one device must therefore not run concurrently on two streams."""
     ctr = _COUNTERS.get(device)
     if ctr is None:
         ctr = _COUNTERS[device] = torch.zeros(_CTR_LEN, dtype=torch.int32, device=device)
@@ -585,28 +971,41 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _waiters(B: int, d: int, cfg: dict) -> int:
-    return ceil_div(d, FUSED_PANEL) * ceil_div(B, cfg["block_m"])
+def _waiters(B: int, d: int, rows: int) -> int:
+    """CTAs of a one-launch kernel that wait for other CTAs: one per 64-column panel (both kernels' width) and
+    tile of ``rows`` batch rows."""
+    return ceil_div(d, 64) * ceil_div(B, rows)
 
 
-def decode_plan(B: int, d_mem: int, d: int) -> dict | None:
-    """``fused_config`` when the fused kernel may run, else None (two launches). Its panel finishers wait for
-    each other, so they must leave at least one SM free for the CTAs they wait for; ``_decode_dev`` checks this
-    again against the actual GPU (shape logic only here: it also runs under torch.compile)."""
+def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS) -> tuple[str, dict]:
+    """(path, tuning) of a decode step: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH`` rows, else ("fused",
+    ``fused_config``), else ("two_launch", ``proj_config``). The one-launch kernels' waiting CTAs must leave at
+    least one of ``sms`` SMs free for the CTAs they wait for. ``_decode_dev`` plans again with the actual GPU's
+    SMs (shape logic only here: it also runs under torch.compile)."""
+    if B <= GEMV_MAX_BATCH:
+        cfg = gemv_config(B, d_mem, d)
+        tiles = ceil_div(B, 16 * cfg["mt"])
+        if _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
+            return "gemv", cfg
     cfg = fused_config(B, d_mem, d)
-    return cfg if _waiters(B, d, cfg) < _SMS and 2 + _waiters(B, d, cfg) <= _CTR_LEN else None
+    if _waiters(B, d, cfg["block_m"]) < sms and 2 + _waiters(B, d, cfg["block_m"]) <= _GEMV_CTR:
+        return "fused", cfg
+    return "two_launch", proj_config(B, d_mem, d)
 
 
-def decode_scratch(B: int, d_mem: int, d: int, device, fused: bool | None = None):
-    """The float32 partials and row-sum scratch (contents irrelevant) that ``_decode_dev`` needs."""
-    if fused is None:
-        fused = decode_plan(B, d_mem, d) is not None
-    if fused:
-        splits, sums = fused_config(B, d_mem, d)["splits"], (B, ceil_div(d, FUSED_PANEL), 4)
+def decode_scratch(B: int, d_mem: int, d: int, device, path: str | None = None):
+    """The float32 partials (none for the GEMV kernel) and row-sum scratch (contents irrelevant) that
+    ``_decode_dev`` needs on ``path`` (default: ``decode_plan``'s)."""
+    if path is None:
+        path = decode_plan(B, d_mem, d)[0]
+    if path == "gemv":
+        parts, sums = (0,), (B, ceil_div(d, GEMV_PANEL), 4)
+    elif path == "fused":
+        parts, sums = (fused_config(B, d_mem, d)["splits"], 2, B, d), (B, ceil_div(d, FUSED_PANEL), 4)
     else:
-        splits, sums = proj_config(B, d_mem, d)["splits"], (B, 8, 4)
+        parts, sums = (proj_config(B, d_mem, d)["splits"], 2, B, d), (B, 8, 4)
     f32 = torch.float32
-    return (torch.empty((splits, 2, B, d), dtype=f32, device=device), torch.empty(sums, dtype=f32, device=device))
+    return torch.empty(parts, dtype=f32, device=device), torch.empty(sums, dtype=f32, device=device)
 
 
 @device_op("tk_engram::decode_step", mutates_args=("conv_state", "part", "sums", "y"))
@@ -618,21 +1017,23 @@ def _decode_dev(
     dt = _TL_DTYPES[h_t.dtype]
     (B, d), d_mem = h_t.shape, e_t.shape[1]
     taps = conv_w.shape[0]
-    cfg = decode_plan(B, d_mem, d)
-    if cfg is not None and _waiters(B, d, cfg) >= _sm_count(h_t.device.index or 0):
-        cfg = None  # a smaller GPU: two launches, with their own scratch
-        part, sums = decode_scratch(B, d_mem, d, h_t.device, fused=False)
-    if cfg is not None:
+    path, cfg = decode_plan(B, d_mem, d, min(_SMS, _sm_count(h_t.device.index or 0)))
+    if path != decode_plan(B, d_mem, d)[0]:  # a smaller GPU: another path, with its own scratch
+        part, sums = decode_scratch(B, d_mem, d, h_t.device, path)
+    if path == "gemv":
+        gemv = decode_gemv_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, taps=taps, dilation=dilation, **cfg)
+        gemv(e_t, W_K, W_V, h_t, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, sums, _counters(h_t.device),
+             eps)
+    elif path == "fused":
         fused = decode_fused_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, taps=taps, dilation=dilation, **cfg)
         fused(e_t, W_K, W_V, h_t, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, part, sums,
               _counters(h_t.device), eps)
-        return
-    cfg = proj_config(B, d_mem, d)
-    proj = decode_proj_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, **cfg)
-    proj(e_t, W_K, W_V, part)
-    step = decode_step_kernel.get(h_t.device, dtype=dt, d=d, taps=taps, dilation=dilation,
-                                  splits=cfg["splits"], cluster=STEP_CLUSTER)
-    step(h_t, part, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, sums, eps)
+    else:
+        proj = decode_proj_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, **cfg)
+        proj(e_t, W_K, W_V, part)
+        step = decode_step_kernel.get(h_t.device, dtype=dt, d=d, taps=taps, dilation=dilation,
+                                      splits=cfg["splits"], cluster=STEP_CLUSTER)
+        step(h_t, part, rms_w_h, rms_w_v, conv_w, conv_state, cache_pos, y, sums, eps)
 
 
 def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w, *,
@@ -642,7 +1043,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     e_t (B, d_mem), h_t (B, d), W_K/W_V (d_mem, d), rms_w_* (d,), conv_w (w, d), conv_state (B, L, d)
     with L >= dilation*(w-1), all of one dtype (fp16/bf16; CPU also fp32/fp64); cache_pos (B,) int32 >= 0.
     On CUDA d and d_mem must be multiples of 8 and conv_state contiguous (it is updated in place).
-    Limit: the one-launch kernel synchronises its CTAs through a counter workspace per device, so decode steps
+    Limit: the one-launch kernels synchronise their CTAs through a counter workspace per device, so decode steps
     on one device must not run concurrently on two CUDA streams (one after another on any streams is fine).
     """
     op = "engram_decode_step"

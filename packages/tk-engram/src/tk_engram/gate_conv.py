@@ -77,7 +77,12 @@ FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
 # per thread at d <= 4096 (512 threads), 2 for wider rows (448 threads at d=7168: 0.288 / 0.279 of copy at dilation
 # 1 / 3 on the H200 against 0.268 / 0.271 with 1 vector and 896 threads, whose 72-register cap spills); stage A's
 # rows one iteration ahead, the weights loaded where each stage uses them (hoisting them spills on sm_100a at d=4096).
-BWD_PARAMS = {True: dict(vecs=1, hoist_w=False, ahead=True), False: dict(vecs=2, hoist_w=False, ahead=True)}
+# The float32 rows in shared memory in two planes (``planes``: no bank conflicts) at d <= 4096 only: 309 -> 261 us at
+# d=4096, 678 -> 720 us at d=7168 (sweep_gate_conv_bwd_s6.log).
+BWD_PARAMS = {
+    True: dict(vecs=1, hoist_w=False, ahead=True, planes=True),
+    False: dict(vecs=2, hoist_w=False, ahead=True, planes=False),
+}
 # dconv kernel (d > 4096): 128 tokens x 128 threads at 4 CTAs/SM is one wave at d=7168, 8192 tokens.
 DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
