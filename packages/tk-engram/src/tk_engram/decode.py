@@ -56,6 +56,15 @@ STEP_CLUSTER = 8
 _SMS = 132  # H100 / H200 SXM; the grid heuristics below only need the order of magnitude
 
 
+def gate_of(part, i: int, d: int, eps):
+    """(a, r_v) of a row from its sums ``part[i..i+4)`` = (h.h, k.k, (h w_h).(k w_h), v.v): r_h, r_k the reciprocal
+    RMS of h and k, a = sigmoid(r_h r_k (h w_h).(k w_h) / sqrt(d)), r_v the reciprocal RMS of a v."""
+    r_h = T.rsqrt(part[i] * (1.0 / d) + eps)
+    r_k = T.rsqrt(part[i + 1] * (1.0 / d) + eps)
+    a = T.float32(1) / (T.float32(1) + T.exp(-(r_h * r_k * part[i + 2] * (1.0 / math.sqrt(d)))))
+    return a, T.rsqrt(a * a * (part[i + 3] * (1.0 / d)) + eps)
+
+
 @T.macro
 def write_step(vf, wv, cw, st, vo, wo, co, so, a, r_v, no, uu, yo, Y, state, row, slot, c0, taps: int, dtype: str):
     """The end of a decode step for the 16-byte column vector ``c0`` of batch row ``row``, given the gate ``a`` and
@@ -77,6 +86,39 @@ def write_step(vf, wv, cw, st, vo, wo, co, so, a, r_v, no, uu, yo, Y, state, row
     if R > 0:
         for e in T.vectorized(VEC):
             state[row, slot, c0 + e] = no[e]
+
+
+@T.macro
+def gate_and_step(S, part, tv, vf, wv, cw, st, rpl, no, uu, yo, Y, state, eps, B, row0, tx, c0, rows: int,
+                  items: int, nv: int, rstep: int, panels: int, d: int, taps: int, dtype: str):
+    """The end of a one-launch decode step once every column panel has published its four per-row sums in
+    ``S[b, panel, :]``: each row's totals (lane ``cv`` of the row's ``nv`` lanes adds panels cv, cv + nv, ... in
+    order, then xor butterflies: the same fixed order in every lane), the gate and ``write_step``. Thread ``tx``
+    owns rows ``row0 + tx // nv + i * rstep`` (i < items, below ``rows`` and ``B``), column vector ``c0``; the
+    operands of ``write_step`` for item i start at ``vf[i * VEC]`` and ``st[i * (taps - 1) * VEC]``. ``S`` was
+    written by other CTAs in this launch: it is read through L2 (``tk_ldcg_f32x4``)."""
+    R = taps - 1
+    cv = tx % nv
+    for i in T.unroll(items):
+        r = tx // nv + i * rstep
+        for q in T.unroll(4):
+            part[i * 4 + q] = T.float32(0)
+        if r < rows and row0 + r < B:
+            for p in T.unroll(ceil_div(panels, nv)):
+                if p * nv + cv < panels:
+                    T.call_extern("handle", "tk_ldcg_f32x4", T.address_of(tv[0]), T.address_of(S[row0 + r, p * nv + cv, 0]))
+                    for q in T.unroll(4):
+                        part[i * 4 + q] += tv[q]
+    for i in T.unroll(items):
+        for q in T.unroll(4):
+            for m in T.unroll(nv.bit_length() - 1):
+                part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
+    for i in T.unroll(items):
+        r = tx // nv + i * rstep
+        if r < rows and row0 + r < B and c0 < d:
+            a, r_v = gate_of(part, i * 4, d, eps)
+            write_step(vf, wv, cw, st, i * VEC, 0, 0, i * R * VEC, a, r_v, no, uu, yo, Y, state, row0 + r, rpl[i],
+                       c0, taps, dtype)
 
 
 def step_layout(d: int, cluster: int = 1) -> tuple[int, int, int]:
@@ -173,8 +215,6 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
     vpc, slots, threads = step_layout(d, cluster)
     nwarps = threads // 32
     R = taps - 1
-    inv_d = 1.0 / d
-    inv_sqrt_d = 1.0 / math.sqrt(d)
     B = T.dynamic("batch")
     LC = T.dynamic("cache_len")
     f32 = "float32"
@@ -285,11 +325,7 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
                         sv[q] = S[bb, r, q]
                     for q in T.unroll(4):
                         part[q] += sv[q]
-            r_h = T.rsqrt(part[0] * inv_d + eps)
-            r_k = T.rsqrt(part[1] * inv_d + eps)
-            sc = r_h * r_k * part[2] * inv_sqrt_d
-            a = T.float32(1) / (T.float32(1) + T.exp(-sc))
-            r_v = T.rsqrt(a * a * (part[3] * inv_d) + eps)
+            a, r_v = gate_of(part, 0, d, eps)
             for s in T.unroll(slots):
                 c0 = (br * vpc + s * threads + tx) * VEC
                 if s * threads + tx < vpc and c0 < d:
@@ -303,6 +339,12 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
 # (arrive count, generation) then one arrival counter per (row tile, column panel); every counter is reset by its
 # last user, so the next launch finds zeros. The waiters are at most one CTA per panel, fewer than the SMs, so the
 # CTAs they wait for always find a free slot (no co-residency requirement beyond that).
+# Data other CTAs wrote during this launch: read through L2 (L1 is not coherent).
+LDCG_F32X4 = r"""
+__device__ __forceinline__ void tk_ldcg_f32x4(float* dst, const float* src) {
+  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
+}
+"""
 FUSED_PRELUDE = r"""
 __device__ __forceinline__ int tk_arrive_last(int* cnt, int n) {
   __threadfence();
@@ -327,11 +369,7 @@ __device__ __forceinline__ void tk_grid_wait(int* bar, int n) {
   }
   __threadfence();
 }
-// Data other CTAs wrote during this launch: read through L2 (L1 is not coherent).
-__device__ __forceinline__ void tk_ldcg_f32x4(float* dst, const float* src) {
-  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
-}
-"""
+""" + LDCG_F32X4
 FUSED_PANEL = 64  # columns per CTA panel: 128-byte W row segments, 8 threads x 8 columns per batch row
 _CTR_LEN = 4096  # int32 words of the per-device counter workspace
 
@@ -386,9 +424,6 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
     kper = nk // splits
     panels = ceil_div(d, bn)
     R = taps - 1
-    inv_d = 1.0 / d
-    inv_sqrt_d = 1.0 / math.sqrt(d)
-    nsum = ceil_div(panels, nv)
 
     @T.macro
     def finish(Hx, w_h, w_v, conv_w, state, pos, Y, P, S, Ctr, KO, VO, eps, B, LC, bx, by, tx, cv, c0):
@@ -468,32 +503,8 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
         if tx == 0:
             T.call_extern("handle", "tk_grid_wait", T.address_of(Ctr[0]), panels * T.ceildiv(B, block_m))
         T.sync_threads()
-        # Row totals: lane cv adds panels cv, cv + 8, ... in order, then the same butterflies.
-        for i in T.unroll(items):
-            b = by * block_m + tx // nv + i * rstep
-            for q in T.unroll(4):
-                part[i * 4 + q] = T.float32(0)
-            if b < B:
-                for p in T.unroll(nsum):
-                    if p * nv + cv < panels:
-                        T.call_extern("handle", "tk_ldcg_f32x4", T.address_of(tv[0]),
-                                      T.address_of(S[b, p * nv + cv, 0]))
-                        for q in T.unroll(4):
-                            part[i * 4 + q] += tv[q]
-        for i in T.unroll(items):
-            for q in T.unroll(4):
-                for m in T.unroll(3):
-                    part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
-        for i in T.unroll(items):
-            b = by * block_m + tx // nv + i * rstep
-            if b < B and c0 < d:
-                r_h = T.rsqrt(part[i * 4] * inv_d + eps)
-                r_k = T.rsqrt(part[i * 4 + 1] * inv_d + eps)
-                sc = r_h * r_k * part[i * 4 + 2] * inv_sqrt_d
-                a = T.float32(1) / (T.float32(1) + T.exp(-sc))
-                r_v = T.rsqrt(a * a * (part[i * 4 + 3] * inv_d) + eps)
-                write_step(vf, wv, cw, st, i * VEC, 0, 0, i * R * VEC, a, r_v, no, uu, yo, Y, state, b, rpl[i], c0,
-                           taps, dtype)
+        gate_and_step(S, part, tv, vf, wv, cw, st, rpl, no, uu, yo, Y, state, eps, B, by * block_m, tx, c0, block_m,
+                      items, nv, rstep, panels, d, taps, dtype)
 
 
     @T.prim_func
@@ -638,11 +649,7 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
     atomicExch(w + 1, 0);
   }}
 }}
-// Data other CTAs wrote during this launch: read through L2 (L1 is not coherent).
-__device__ __forceinline__ void tkd_ldcg_f32x4(float* dst, const float* src) {{
-  *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
-}}
-"""
+""" + LDCG_F32X4
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
@@ -692,9 +699,6 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     items = ceil_div(MR * nv, threads)  # (row, 16-byte column vector) items per thread
     rstep = threads // nv
     R = taps - 1
-    inv_d = 1.0 / d
-    inv_sqrt_d = 1.0 / math.sqrt(d)
-    nsum = ceil_div(NP, nv)
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
     EPW = VEC * max(1 + items, 1 + taps + items * R)  # epilogue operands per thread (elements)
 
@@ -909,32 +913,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                     for q in T.unroll(R):
                         for e in T.vectorized(VEC):
                             st[(i * R + q) * VEC + e] = ep[tx, (1 + taps + i * R + q) * VEC + e]
-                # Row totals: lane cv adds panels cv, cv + 8, ... in order, then butterflies over the row's 8 lanes.
-                for i in T.unroll(items):
-                    b = by * MR + tx // nv + i * rstep
-                    for q in T.unroll(4):
-                        part[i * 4 + q] = T.float32(0)
-                    if tx // nv + i * rstep < MR and b < B:
-                        for p in T.unroll(nsum):
-                            if p * nv + cv < NP:
-                                T.call_extern("handle", "tkd_ldcg_f32x4", T.address_of(tv[0]),
-                                              T.address_of(S[b, p * nv + cv, 0]))
-                                for q in T.unroll(4):
-                                    part[i * 4 + q] += tv[q]
-                for i in T.unroll(items):
-                    for q in T.unroll(4):
-                        for m in T.unroll(3):
-                            part[i * 4 + q] += T.shfl_xor(part[i * 4 + q], 1 << m)
-                for i in T.unroll(items):
-                    b = by * MR + tx // nv + i * rstep
-                    if tx // nv + i * rstep < MR and b < B and c0 < d:
-                        r_h = T.rsqrt(part[i * 4] * inv_d + eps)
-                        r_k = T.rsqrt(part[i * 4 + 1] * inv_d + eps)
-                        sc = r_h * r_k * part[i * 4 + 2] * inv_sqrt_d
-                        a = T.float32(1) / (T.float32(1) + T.exp(-sc))
-                        r_v = T.rsqrt(a * a * (part[i * 4 + 3] * inv_d) + eps)
-                        write_step(out, wl, cw, st, i * VEC, 0, 0, i * R * VEC, a, r_v, no, uu, yo, Y, state, b,
-                                   rpl[i], c0, taps, dtype)
+                gate_and_step(S, part, tv, out, wl, cw, st, rpl, no, uu, yo, Y, state, eps, B, by * MR, tx, c0, MR,
+                              items, nv, rstep, NP, d, taps, dtype)
                 if tx == 0:
                     T.call_extern("handle", "tkd_leave_done", T.address_of(Ctr[ctr]), lv[0], NP)
 
