@@ -4,7 +4,8 @@
 
 ``new`` launches what the op launches (``decode.decode_plan``: ``decode_gemv_kernel`` up to
 ``GEMV_MAX_BATCH`` rows, else ``decode_fused_kernel`` or the two launches); ``old`` the dispatch before the GEMV
-kernel (the fused kernel whenever its panel finishers fit, else the two launches). Both paths are built
+kernel (the fused kernel whenever its panel finishers fit, else the two launches); ``two`` the two launches for
+every batch above ``GEMV_MAX_BATCH``. Both paths are built
 explicitly, every kernel in one ``tilelang.par_compile`` pool per factory, then each is checked against
 ``reference.decode_step_ref`` (the GPU test's tolerances, run-to-run bit equality, the GEMV counters back at
 zero) on the anchors (``new`` also on odd shapes: d = 200 / 1088, d_mem = 24 / 64 / 520, batch 0, 1, 3, 13, 17,
@@ -52,7 +53,15 @@ def old_plan(B, d_mem, d):
     return "two_launch", decode.proj_config(B, d_mem, d)
 
 
-VARIANTS = {"new": decode.decode_plan, "old": old_plan}  # name -> plan(B, d_mem, d) -> (path, tuning)
+def two_launch_plan(B, d_mem, d):
+    """The two launches for every batch the GEMV kernel does not take."""
+    if B <= decode.GEMV_MAX_BATCH:
+        return decode.decode_plan(B, d_mem, d)
+    return "two_launch", decode.proj_config(B, d_mem, d)
+
+
+# name -> plan(B, d_mem, d) -> (path, tuning)
+VARIANTS = {"new": decode.decode_plan, "old": old_plan, "two": two_launch_plan}
 
 
 def keys_of(path, cfg, d_mem, d, dil, dt):

@@ -23,8 +23,8 @@ from tk_core.jit import arch_of, target_of
 from tk_core.testing import calc_diff
 from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
 from tk_engram import engram_gate_conv_bwd, reference
-from tk_engram._gate_conv_kernels import fuse_dconv, gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
-from tk_engram.gate_conv import CHUNK, FWD_PARAMS, bwd_roofline_bytes, fwd_roofline_bytes
+from tk_engram._gate_conv_kernels import gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
+from tk_engram.gate_conv import DCONV_PARAMS, FWD_PARAMS, bwd_config, bwd_roofline_bytes, fwd_roofline_bytes
 
 DEFAULT = ["default", "budget=100", "fast_div=0"]  # first = the op default
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
@@ -34,6 +34,7 @@ ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
     (3, 70, 1000, 4, 1, torch.bfloat16, 40.0),  # |u| > 64 in most vectors: the IEEE division
     (2, 5, 4096, 4, 3, torch.bfloat16, 0.5),
     (1, 1, 7168, 4, 1, torch.bfloat16, 0.5),
+    (1, 70, 8192, 4, 2, torch.bfloat16, 0.5),
 ]
 TL = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -86,10 +87,11 @@ def bwd_jobs():
     factory: the factory cache compiles one kernel at a time, so each list goes to its own thread."""
     bwd, dconv = [], []
     for _, _, d, taps, dil in ANCHORS:
-        p = dict(dtype="bfloat16", d=d, taps=taps, dilation=dil, chunk=CHUNK)
-        bwd.append((gate_conv_bwd_kernel, dict(p, with_dconv=fuse_dconv(d))))
-        if not fuse_dconv(d):
-            dconv.append((gate_conv_dconv_kernel, p))
+        p = dict(dtype="bfloat16", d=d, taps=taps, dilation=dil)
+        cfg = bwd_config(d)
+        bwd.append((gate_conv_bwd_kernel, dict(p, **cfg)))
+        if not cfg["with_dconv"]:
+            dconv.append((gate_conv_dconv_kernel, dict(p, **DCONV_PARAMS)))
     return [bwd, dconv]
 
 

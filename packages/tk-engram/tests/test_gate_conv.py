@@ -212,7 +212,8 @@ def test_decode_plan_cpu():
     for d in (200, 1088, 4096, 7168):
         for B in (1, 3, 8, 13, 16):
             assert decode.decode_plan(B, 2048, d)[0] == "gemv"
-        assert decode.decode_plan(17, 2048, d)[0] == decode.decode_plan(64, 2048, d)[0] == "fused"
+        assert decode.decode_plan(17, 2048, d)[0] == "fused"
+        assert decode.decode_plan(64, 2048, d)[0] == ("two_launch" if d <= 4096 else "fused")
     assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
     assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
     part, sums = decode.decode_scratch(8, 2048, 7168, "cpu")
@@ -227,6 +228,8 @@ def test_row_layout():
         assert threads % 32 == 0 and threads <= 1024 and slots * threads * 8 >= d
     assert K.row_layout(4096) == (1, 512) and K.row_layout(7168) == (1, 896)
     assert K.fuse_dconv(4096) and not K.fuse_dconv(7168)
+    # the backward's 2-CTA cluster: rows of 4096 < d <= 8192 with 16-byte halves
+    assert [d for d in (4096, 4104, 4112, 7168, 8192, 8208, 12288) if K.bwd_split(d) == 2] == [4112, 7168, 8192]
     # the backward's shared memory: the drms_w accumulators leave it above ~7,600 columns, the rings above 10,240
     assert K.bwd_shared_bytes(7168, 4, 2, False) <= K.MAX_SMEM < K.bwd_shared_bytes(8192, 4, 2, False)
     assert K.bwd_fits(10240, 4, 2) and not K.bwd_fits(10304, 4, 2)
@@ -239,7 +242,8 @@ GC_VARIANTS = [  # (dtype, d, taps, dilation): tests (d=200) and benchmarks (409
     ("bfloat16", 4096, 4, 3),
     ("bfloat16", 7168, 4, 3),
     ("float16", 200, 3, 2),
-    ("bfloat16", 8192, 4, 2),  # backward: the drms_w accumulators in global memory
+    ("bfloat16", 8192, 4, 2),  # backward: 2-CTA cluster of 4096-column halves
+    ("float16", 4104, 3, 2),  # backward: odd half rows, so 2 vectors per thread and the dconv kernel
 ]
 
 
@@ -247,7 +251,7 @@ GC_VARIANTS = [  # (dtype, d, taps, dilation): tests (d=200) and benchmarks (409
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype,d,taps,dilation", GC_VARIANTS)
 def test_compile_gate_conv(arch, dtype, d, taps, dilation):
-    from tk_engram.gate_conv import BWD_PARAMS, CHUNK, DCONV_PARAMS, FWD_PARAMS
+    from tk_engram.gate_conv import CHUNK, DCONV_PARAMS, FWD_PARAMS, bwd_config
 
     p = dict(dtype=dtype, d=d, taps=taps, dilation=dilation, chunk=CHUNK)
     fp = dict(p, **FWD_PARAMS)
@@ -259,12 +263,11 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
     else:
         src = K.gate_conv_fwd_kernel.compile(arch, **fp).get_kernel_source()
     assert "uint4" in src and "__expf" not in src and "__fdividef" not in src
-    fused = K.fuse_dconv(d)
-    bp = dict(p, with_dconv=fused, **BWD_PARAMS[fused])
-    if fused:
-        assert_compiles(K.gate_conv_bwd_kernel, arch, **bp)
+    bp = dict(p, **bwd_config(d))
+    if bp["with_dconv"]:
+        src = assert_compiles(K.gate_conv_bwd_kernel, arch, **bp)
+        assert ("barrier.cluster" in src) == (bp["split"] == 2)
     else:
-        # d = 7168: 896 threads cap ptxas at 72 registers; it spills ~52 bytes (L1-resident) without dconv.
         K.gate_conv_bwd_kernel.compile(arch, **bp)
         assert dynamic_smem_bytes(K.gate_conv_bwd_kernel, arch, **bp) <= MAX_SMEM_PER_BLOCK
         dp = dict(p, **DCONV_PARAMS)
@@ -288,8 +291,10 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert path == "gemv"
     src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
     assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src
-    path, cfg = decode.decode_plan(64, d_mem, d)
+    path, cfg = decode.decode_plan(17, d_mem, d)
     assert path == "fused"
+    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
+    cfg = decode.fused_config(64, d_mem, d)  # the block_m 64 tiling (the op's path at d = 7168)
     src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
     assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
     for B in (1, 64):  # the two-launch path: large batches, and smaller GPUs
@@ -328,6 +333,7 @@ GPU_CASES = [  # (M, T, d, taps, dilation, dtype)
     (1, 201, 7168, 4, 3, torch.bfloat16),
     (2, 5, 4096, 4, 3, torch.bfloat16),  # T < dilation*(w-1): zero history, partial state
     (1, 70, 8192, 4, 2, torch.bfloat16),  # the forward reads w_h and w_v from global memory (no room in shared)
+    (2, 90, 4104, 3, 2, torch.float16),  # backward: no 16-byte halves, so one CTA per chunk and the dconv kernel
 ]
 
 
@@ -400,18 +406,19 @@ def test_gpu_fwd_kernel_variants_are_bit_identical(M, T, d, taps, dilation, dtyp
 @pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES[:4])
 def test_gpu_bwd_shared_layouts_are_bit_identical(M, T, d, taps, dilation, dtype):
     """The backward's float32 shared rows in two planes or contiguous: the same bits in every output."""
-    from tk_engram.gate_conv import BWD_PARAMS, CHUNK, _num_parts
+    from tk_engram.gate_conv import _num_parts, bwd_config
 
     x = _inputs(M, T, d, taps, dtype, "cuda")
     stats = engram_gate_conv_fwd(*x, dilation=dilation)[2:6]
     dY = torch.randn(M, T, d, device="cuda").to(dtype)
-    fused = K.fuse_dconv(d)
+    cfg = bwd_config(d)
     p = dict(dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype], d=d, taps=taps, dilation=dilation,
-             chunk=CHUNK, with_dconv=fused, **BWD_PARAMS[fused])
+             **cfg)
+    rows = 2 + taps if cfg["with_dconv"] else 2
 
     def run(planes):
         out = [torch.full((M, T, d), float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
-        out.append(torch.full((_num_parts(M, T, dilation), 2 + taps if fused else 2, d), float("nan"), device="cuda"))
+        out.append(torch.full((_num_parts(M, T, dilation, cfg["chunk"]), rows, d), float("nan"), device="cuda"))
         K.gate_conv_bwd_kernel.get(x[0].device, **dict(p, planes=planes))(dY, *x, *stats, *out)
         return out
 
@@ -480,11 +487,12 @@ def test_gpu_autograd_chain_matches_float64():
 
 
 @pytest.mark.gpu
-def test_gpu_opcheck_compile_and_cuda_graph():
+@pytest.mark.parametrize("d", [200, 7168])  # 7168: the backward's 2-CTA cluster launch
+def test_gpu_opcheck_compile_and_cuda_graph(d):
     from tk_engram import gate_conv
 
-    x = _inputs(2, 33, 200, 4, torch.bfloat16, "cuda")
-    M, T, d = 2, 33, 200
+    x = _inputs(2, 33, d, 4, torch.bfloat16, "cuda")
+    M, T = 2, 33
     outs = [torch.empty(M, T, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     stats = [torch.empty(M, T, device="cuda") for _ in range(4)]
     state = torch.empty(M, 3, d, device="cuda", dtype=torch.bfloat16)
@@ -516,11 +524,12 @@ def test_gpu_opcheck_compile_and_cuda_graph():
 
 
 # GEMV kernel up to 16 rows (odd batches, ragged d = 200 and d_mem = 520, the anchors' d_mem at d = 7168, a full
-# 16-row tile at d = 1088); fused kernel with block_m 64, 2 splits and a partial row tile; B=70 at d=7168 has too
-# many panel finishers for the fused kernel and takes the two-launch path.
+# 16-row tile at d = 1088); fused kernel with block_m 64 and a partial row tile (B=33, d=7168); the two launches at
+# B=33, d=4096 (32 rows or more at d <= 4096) and at B=70, d=7168 (too many panel finishers for the fused kernel).
 DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.bfloat16),
                 (13, 2048, 7168, 4, 3, torch.bfloat16), (16, 520, 1088, 4, 2, torch.bfloat16),
                 (3, 24, 200, 4, 1, torch.bfloat16), (33, 1024, 4096, 4, 3, torch.bfloat16),
+                (33, 1024, 7168, 4, 2, torch.bfloat16),
                 (70, 512, 7168, 4, 3, torch.bfloat16)]
 
 

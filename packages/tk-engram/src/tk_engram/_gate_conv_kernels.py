@@ -89,13 +89,13 @@ def add_row_sums(part, hv, kv, vv, wh):
 
 
 @T.macro
-def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int):
-    """This thread's ``slots`` 16-byte column vectors of the row ``src[m, t, :]`` into ``dst``."""
+def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int, cb=0):
+    """This thread's ``slots`` 16-byte column vectors of the row ``src[m, t, cb:cb + d]`` into ``dst``."""
     for s in T.unroll(slots):
         c0 = (s * threads + tx) * VEC
         if c0 < d:
             for e in T.vectorized(VEC):
-                dst[s * VEC + e] = src[m, t, c0 + e]
+                dst[s * VEC + e] = src[m, t, cb + c0 + e]
 
 
 def f32_rows(width: int, planes: bool):
@@ -468,8 +468,16 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
 
 def fuse_dconv(d: int) -> bool:
     """Whether the backward accumulates dconv_w inside the main kernel: only while its taps x d float32
-    accumulators fit in shared memory next to the rings (d <= 4096); larger rows use ``gate_conv_dconv_kernel``."""
+    accumulators fit in shared memory next to the rings (d <= 4096 columns per CTA); larger rows use
+    ``gate_conv_dconv_kernel``."""
     return row_layout(d)[1] <= 512
+
+
+def bwd_split(d: int) -> int:
+    """CTAs that share a row in the backward: 2 (a thread block cluster, each CTA half of the columns) for rows
+    wider than 4096 whose halves take the fused single-kernel path (16-byte vectors: d % 16 == 0; d <= 8192),
+    else 1. ``fuse_dconv(d // bwd_split(d))`` tells whether dconv_w is accumulated in the main kernel."""
+    return 2 if not fuse_dconv(d) and d % (2 * VEC) == 0 and fuse_dconv(d // 2) else 1
 
 
 @T.macro
@@ -525,6 +533,39 @@ __device__ __forceinline__ float tk_rcp_fast(float b) {
 """
 RCP_FAST_BITS = (127 + 126) << 23  # the bits of 2**126
 
+# The backward's 2-CTA cluster (``split``). ``tk_st_peer_f32``: a float32 store into the same shared-memory
+# variable of CTA ``rank`` of the cluster (st.async: no fence; completion is counted on that CTA's mbarrier ``bar``,
+# which its waiters observe with acquire semantics). The mbarriers (arrival count 1: ``tk_mbar_expect``, which also
+# announces the bytes due) are initialised before the first cluster barrier. A cluster barrier per token instead
+# (barrier.cluster.arrive has release semantics: a fence that waits for the thread's global stores) measured slower.
+_CLUSTER = r"""
+__device__ __forceinline__ unsigned tk_smem(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void tk_mbar_init(void* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(tk_smem(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void tk_mbar_expect(void* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(tk_smem(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tk_mbar_wait(void* bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred p;\n\tTK_WAIT:\n\t"
+               "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra TK_WAIT;\n\t}"
+               :: "r"(tk_smem(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void tk_st_peer_f32(float* p, void* bar, unsigned rank, float v) {
+  unsigned a, b;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(tk_smem(p)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(tk_smem(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               :: "r"(a), "r"(__float_as_uint(v)), "r"(b) : "memory");
+}
+__device__ __forceinline__ void tk_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+"""
+
 
 def bwd_elementwise(dtype: str):
     """(prelude, el, pack, sigmoid) of the backward kernels. ``el(buf, i0, k, j)``: element i0 + 2k + j (i0 even,
@@ -557,7 +598,8 @@ def bwd_elementwise(dtype: str):
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
-                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True, planes: bool = True):
+                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True, planes: bool = True,
+                         split: int = 1):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
     per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
@@ -581,9 +623,20 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     ``planes``: the float32 rows in shared memory (ring_g, accw, dacc) in two planes (``f32_rows``; ncu at d=4096:
     45 % of the shared-memory wavefronts were bank conflicts; the planes took the kernel from 309 to 261 us). At
     d=7168 (2 vectors per thread, 128 registers) they measured 6 % slower, and the op keeps the vectors contiguous.
+
+    ``split`` = 2: a cluster of 2 CTAs walks each chain chunk, CTA rank r owning columns [r d/2, (r + 1) d/2), so
+    that a wide row takes the register and shared-memory budget of a half row (d=7168: 1 vector per thread and
+    dconv_w in the main kernel, instead of 2 vectors, a 128-register cap and a second kernel). The per-token sums
+    are the only coupling: each warp stores its 4 partials into the ``red`` slots of both CTAs (the peer's through
+    distributed shared memory, ``_CLUSTER``), each CTA waits for its barrier and for its mbarrier of that ``red``
+    buffer (the peer's partials are in), and both CTAs add the 2 x nwarps partials in the same fixed order, so
+    they agree bit for bit.
     """
-    slots, threads = bwd_layout(d, vecs)
+    assert split in (1, 2) and d % (split * VEC) == 0
+    DW = d // split  # columns per CTA
+    slots, threads = bwd_layout(DW, vecs)
     nwarps = threads // 32
+    assert nwarps * split <= 32  # one lane per warp partial in the cross-warp sum
     R = taps - 1
     RS = max(R, 1)
     DP = slots * threads * VEC
@@ -591,7 +644,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     NPW = 2 + taps if with_dconv else 2
     # Rows wider than ~7,600 (4 taps) leave no room for the drms_w accumulators in shared memory: they then
     # accumulate in the CTA's own row of ``part`` (L2-resident read-modify-writes of its own columns).
-    acc_global = bwd_shared_bytes(d, taps, vecs, with_dconv) > MAX_SMEM
+    acc_global = bwd_shared_bytes(DW, taps, vecs, with_dconv) > MAX_SMEM
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")
@@ -599,6 +652,8 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     NP = T.dynamic("num_parts")
     f32 = "float32"
     prelude, el, pack, sigmoid = bwd_elementwise(dtype)
+    if split > 1:
+        prelude += _CLUSTER
     _, load32, store32 = f32_rows(DP, planes)
 
     @T.prim_func
@@ -619,16 +674,21 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
         dV: T.Tensor((M, L, d), dtype),
         part: T.Tensor((NP, NPW, d), f32),
     ):
-        with T.Kernel(T.ceildiv(L, dilation * chunk), dilation, M, threads=threads, prelude=prelude) as (bc, br, bm):
+        with T.Kernel(T.ceildiv(L, dilation * chunk) * split, dilation, M, threads=threads, prelude=prelude,
+                      cluster_dims=(split, 1, 1) if split > 1 else None) as (bx, br, bm):
             tx = T.get_thread_binding()
             lane = tx % 32
             warp = tx // 32
+            bc = bx // split  # the chain chunk
+            rank = bx % split  # the CTA's half of the columns
+            cb = rank * DW
             ring_n = T.alloc_shared((RS, DP), dtype)
             ring_g = T.alloc_shared((taps, DP), f32)
             accw = T.alloc_shared((1, 32) if acc_global else (2, DP), f32)
             # dconv_w accumulators in shared memory: 32 registers fewer per vector than in registers
             dacc = T.alloc_shared((taps if with_dconv else 1, DP), f32)
             red = T.alloc_shared((2, 4, 32), f32)
+            mbar = T.alloc_shared((2 if split > 1 else 1,), "uint64")  # split: the peer's partials, per red buffer
             tot = T.alloc_local((4,), f32)
             ps = T.alloc_local((4,), f32)
             sc = T.alloc_local((3,), f32)
@@ -664,9 +724,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     aw[e] = T.float32(0)
                 for p in T.unroll(2):
                     if acc_global:
-                        if c0 < d:
+                        if c0 < DW:
                             for e in T.vectorized(VEC):
-                                part[pid, p, c0 + e] = aw[e]
+                                part[pid, p, cb + c0 + e] = aw[e]
                     else:
                         store32(accw, p, c0, aw)
                 if with_dconv:
@@ -675,8 +735,13 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             # stage A's first rows (the walk starts R chain tokens before the chunk)
             t0 = base - dilation * R
             if ahead and t0 >= 0:
-                load_row(nv, V, bm, t0, tx, slots, threads, d)
-                load_row(nd, dY, bm, t0, tx, slots, threads, d)
+                load_row(nv, V, bm, t0, tx, slots, threads, DW, cb)
+                load_row(nd, dY, bm, t0, tx, slots, threads, DW, cb)
+            if split > 1:  # the peer's shared memory is written from the first token on: it must be running
+                if tx == 0:
+                    for q in T.unroll(2):
+                        T.evaluate(T.call_extern("handle", "tk_mbar_init", T.address_of(mbar[q])))
+                T.evaluate(T.call_extern("handle", "tk_cluster_sync"))
             for it in T.serial(2 * R + chunk):
                 tj = base + dilation * (it - R)
                 ti = tj - dilation * R
@@ -687,23 +752,23 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         av[e] = nv[e]
                         ad[e] = nd[e]
                 elif tj >= 0 and tj < L:
-                    load_row(av, V, bm, tj, tx, slots, threads, d)
-                    load_row(ad, dY, bm, tj, tx, slots, threads, d)
+                    load_row(av, V, bm, tj, tx, slots, threads, DW, cb)
+                    load_row(ad, dY, bm, tj, tx, slots, threads, DW, cb)
                 do_b = it >= 2 * R and ti < L
                 if do_b:
-                    load_row(xa, H, bm, ti, tx, slots, threads, d)
-                    load_row(xb, K, bm, ti, tx, slots, threads, d)
-                    load_row(xc, V, bm, ti, tx, slots, threads, d)
-                    load_row(xd, dY, bm, ti, tx, slots, threads, d)
+                    load_row(xa, H, bm, ti, tx, slots, threads, DW, cb)
+                    load_row(xb, K, bm, ti, tx, slots, threads, DW, cb)
+                    load_row(xc, V, bm, ti, tx, slots, threads, DW, cb)
+                    load_row(xd, dY, bm, ti, tx, slots, threads, DW, cb)
                 tn = tj + dilation
                 if ahead and it + 1 < 2 * R + chunk and tn >= 0 and tn < L:  # stage A of the next iteration
-                    load_row(nv, V, bm, tn, tx, slots, threads, d)
-                    load_row(nd, dY, bm, tn, tx, slots, threads, d)
+                    load_row(nv, V, bm, tn, tx, slots, threads, DW, cb)
+                    load_row(nd, dY, bm, tn, tx, slots, threads, DW, cb)
                 if hoist_w:
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        if c0 < d:
-                            load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
+                        if c0 < DW:
+                            load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
                 # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 if tj < 0:
                     for s in T.unroll(slots):
@@ -717,9 +782,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     rv = rr_v[bm, tj]
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        if c0 < d:
+                        if c0 < DW:
                             if not hoist_w:
-                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
+                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
                             for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
                                     rn[(q - 1) * VEC + e] = ring_n[T.truncmod(it - q + RS * taps, RS), c0 + e]
@@ -771,9 +836,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         ps[q] = T.float32(0)
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        if c0 < d:
+                        if c0 < DW:
                             if not hoist_w:
-                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps, EV)
+                                load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
                             for e in T.unroll(VEC):
                                 gn[s * VEC + e] = T.float32(0)
                             for q in T.unroll(taps):
@@ -797,10 +862,19 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     rb = T.truncmod(it, 2)
                     reduce_scatter_row_sums(sc, ps, lane)
                     if T.truncmod(lane, 8) == 0:
-                        red[rb, T.truncdiv(lane, 8), warp] = sc[2]
+                        red[rb, T.truncdiv(lane, 8), rank * nwarps + warp] = sc[2]
+                        if split > 1:
+                            T.evaluate(T.call_extern("handle", "tk_st_peer_f32",
+                                                     T.address_of(red[rb, T.truncdiv(lane, 8), rank * nwarps + warp]),
+                                                     T.address_of(mbar[rb]), 1 - rank, sc[2]))
+                    if split > 1 and tx == 0:
+                        T.evaluate(T.call_extern("handle", "tk_mbar_expect", T.address_of(mbar[rb]), nwarps * 16))
                     T.sync_threads()
+                    if split > 1:  # completion k of mbar[rb] is token 2R + rb + 2k's (stage B runs from it = 2R on)
+                        T.evaluate(T.call_extern("handle", "tk_mbar_wait", T.address_of(mbar[rb]),
+                                                 T.bitwise_and(T.truncdiv(it - 2 * R, 2), 1)))
                     for q in T.unroll(4):
-                        tot[q] = T.if_then_else(lane < nwarps, red[rb, q, lane], T.float32(0))
+                        tot[q] = T.if_then_else(lane < nwarps * split, red[rb, q, lane], T.float32(0))
                     reduce_scatter_row_sums(sc, tot, lane)
                     for q in T.unroll(4, explicit=True):
                         tot[q] = T.shfl_sync(sc[2], q * 8)
@@ -811,11 +885,11 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     ck = rk * rk * tot[3] * inv_d
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
-                        if c0 < d:
+                        if c0 < DW:
                             for p in T.unroll(2):
                                 if acc_global:
                                     for e in T.vectorized(VEC):
-                                        aw[e] = part[pid, p, c0 + e]
+                                        aw[e] = part[pid, p, cb + c0 + e]
                                 else:
                                     load32(aw, accw, p, c0)
                                 for k in T.unroll(VEC // 2):
@@ -830,7 +904,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                             aw[e] += gn[s * VEC + e] * vh * rv
                                 if acc_global:
                                     for e in T.vectorized(VEC):
-                                        part[pid, p, c0 + e] = aw[e]
+                                        part[pid, p, cb + c0 + e] = aw[e]
                                 else:
                                     store32(accw, p, c0, aw)
                             for k in T.unroll(VEC // 2):
@@ -846,24 +920,24 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     oa[e] = T.cast(cc * (w2 * kv - ch * hv), dtype)
                                     ob[e] = T.cast(cc * (w2 * hv - ck * kv), dtype)
                             for e in T.vectorized(VEC):
-                                dH[bm, ti, c0 + e] = oa[e]
+                                dH[bm, ti, cb + c0 + e] = oa[e]
                             for e in T.vectorized(VEC):
-                                dK[bm, ti, c0 + e] = ob[e]
+                                dK[bm, ti, cb + c0 + e] = ob[e]
                             for e in T.vectorized(VEC):
-                                dV[bm, ti, c0 + e] = oc[e]
+                                dV[bm, ti, cb + c0 + e] = oc[e]
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
-                if c0 < d:
+                if c0 < DW:
                     if not acc_global:
                         for p in T.unroll(2):
                             load32(aw, accw, p, c0)
                             for e in T.vectorized(VEC):
-                                part[pid, p, c0 + e] = aw[e]
+                                part[pid, p, cb + c0 + e] = aw[e]
                     if with_dconv:
                         for p in T.unroll(taps):
                             load32(aw, dacc, p, c0)
                             for e in T.vectorized(VEC):
-                                part[pid, 2 + p, c0 + e] = aw[e]
+                                part[pid, 2 + p, cb + c0 + e] = aw[e]
 
     return main
 

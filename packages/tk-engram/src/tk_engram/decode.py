@@ -20,12 +20,13 @@ are identical run to run):
   W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K, no shared memory in the
   loop); the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
   8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
-- more rows, one launch of ``decode_fused_kernel``: a tensor-core projection for both weights (W read once for
+- more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for both weights (W read once for
   up to 64 rows per 64-column panel; d_mem split into float32 partials so that the grid fills the GPU) whose
   last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes the panel's row sums
   and, after a barrier among the panel finishers, does the gate, convolution and cache update for its columns.
-- when there are too many waiting CTAs for the SMs (large batch), two launches: ``decode_proj_kernel``, then a
-  cluster of ``STEP_CLUSTER`` CTAs per row (``decode_step_kernel``).
+- 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``), and whenever there are too
+  many waiting CTAs for the SMs, two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER`` CTAs per
+  row (``decode_step_kernel``).
 Runtime: batch, L, positions, eps.
 
 Roofline bytes (e = element size; the benchmark's ``bytes``):
@@ -957,16 +958,27 @@ def _waiters(B: int, d: int, rows: int) -> int:
     return ceil_div(d, 64) * ceil_div(B, rows)
 
 
+# From TWO_LAUNCH_MIN_BATCH rows on, rows of at most TWO_LAUNCH_MAX_D columns take the two launches: per step in a
+# CUDA graph (launch gaps included; H200, session 7, d_mem 2048) at d=4096 B = 32 / 64 they took 22.9 / 23.3 us
+# against the fused kernel's 23.6 / 25.9 (B=17: 22.2 both); at d=7168 B=64 the fused kernel is faster (33.2 against
+# 39.0 us).
+TWO_LAUNCH_MIN_BATCH = 32
+TWO_LAUNCH_MAX_D = 4096
+
+
 def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS) -> tuple[str, dict]:
-    """(path, tuning) of a decode step: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH`` rows, else ("fused",
-    ``fused_config``), else ("two_launch", ``proj_config``). The one-launch kernels' waiting CTAs must leave at
-    least one of ``sms`` SMs free for the CTAs they wait for. ``_decode_dev`` plans again with the actual GPU's
-    SMs (shape logic only here: it also runs under torch.compile)."""
+    """(path, tuning) of a decode step: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH`` rows; ("two_launch",
+    ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
+    ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
+    ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
+    actual GPU's SMs (shape logic only here: it also runs under torch.compile)."""
     if B <= GEMV_MAX_BATCH:
         cfg = gemv_config(B, d_mem, d)
         tiles = ceil_div(B, 16 * cfg["mt"])
         if _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
             return "gemv", cfg
+    if B >= TWO_LAUNCH_MIN_BATCH and d <= TWO_LAUNCH_MAX_D:
+        return "two_launch", proj_config(B, d_mem, d)
     cfg = fused_config(B, d_mem, d)
     if _waiters(B, d, cfg["block_m"]) < sms and 2 + _waiters(B, d, cfg["block_m"]) <= _GEMV_CTR:
         return "fused", cfg

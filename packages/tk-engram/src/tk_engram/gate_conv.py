@@ -31,17 +31,19 @@ and the argument. M*T == 0 returns empty outputs (and an all-zero state) without
 
 Kernels (``_gate_conv_kernels``): one CTA walks consecutive tokens of one residue chain (t mod dilation) of
 one row (32 in the forward, at 2 CTAs per SM; 64 in the backward) with whole d-rows per CTA and 16-byte
-vectors; the conv history lives in shared memory per thread column.
-Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch when d > 4096) + fixed-order sums. The
-backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the reference on the GPU
-(same outputs to the test tolerances, deterministic, slower).
+vectors; the conv history lives in shared memory per thread column. In the backward, rows of 4096 < d <= 8192
+(d % 16 == 0) go to a cluster of 2 CTAs per 128-token chunk, each CTA half of the columns, the per-token row
+sums exchanged through distributed shared memory.
+Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch for the other rows wider than 4096) +
+fixed-order sums. The backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the
+reference on the GPU (same outputs to the test tolerances, deterministic, slower).
 Runtime (no recompile): M, T, eps. Compile-time: dtype, d, w, dilation.
 
 Roofline bytes (e = element size, N = M*T tokens; the benchmark's ``bytes``):
     forward  = N*d*e*(3 reads H,k,v + 2 writes Y,vhat) + 16*N (4 float32 stats) + 3*d*e + w*d*e
     backward = N*d*e*(4 reads dY,H,k,v + 3 writes dH,dk,dv) + 16*N + (2 + w)*d*(e + 4)
-Halo re-reads (w-1 chain tokens per 32 in the forward, per 64 in the backward) and the per-CTA partials
-are not counted.
+Halo re-reads (w-1 chain tokens per 32 in the forward, per 64 or 128 in the backward) and the per-CTA
+partials are not counted.
 """
 
 import torch
@@ -53,6 +55,7 @@ from tk_core.library import device_op
 from . import reference
 from ._gate_conv_kernels import (
     bwd_fits,
+    bwd_split,
     fuse_dconv,
     gate_conv_bwd_kernel,
     gate_conv_dconv_kernel,
@@ -73,18 +76,34 @@ CHUNK = 64  # chain tokens per CTA in the backward
 # 7168 dilation 3 against 0.742 / 0.726 / 0.722. Two tokens per iteration (one barrier per pair) was slower:
 # 0.680 / 0.362 / 0.363 (0.519 / 0.636 / 0.639 at 1 CTA per SM).
 FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
-# Backward main kernel by row width (key: ``fuse_dconv(d)``), 1 CTA per SM (the rings fill shared memory): 1 vector
-# per thread at d <= 4096 (512 threads), 2 for wider rows (448 threads at d=7168: 0.288 / 0.279 of copy at dilation
-# 1 / 3 on the H200 against 0.268 / 0.271 with 1 vector and 896 threads, whose 72-register cap spills); stage A's
-# rows one iteration ahead, the weights loaded where each stage uses them (hoisting them spills on sm_100a at d=4096).
-# The float32 rows in shared memory in two planes (``planes``: no bank conflicts) at d <= 4096 only: 309 -> 261 us at
-# d=4096, 678 -> 720 us at d=7168 (sweep_gate_conv_bwd_s6.log).
+# Backward main kernel, 1 CTA per SM (the rings fill shared memory), keyed by whether dconv_w is accumulated in it
+# (``fuse_dconv`` of the columns per CTA). Fused (up to 4096 columns per CTA: d <= 4096, and 4096 < d <= 8192 through
+# the 2-CTA cluster of ``bwd_split``): 1 vector per thread, the float32 shared rows in two planes (no bank conflicts:
+# 309 -> 261 us at d=4096, sweep_gate_conv_bwd_s6.log). The cluster took d=7168 from 675 to 510 us on the H200,
+# 0.288 -> 0.382 of copy (sweep_gate_conv_bwd_s7.log). Other wide rows: 2 vectors per thread (448 threads at d=7168
+# measured 0.288 / 0.279 of copy at dilation 1 / 3 against 0.268 / 0.271 with 1 vector and 896 threads, whose
+# 72-register cap spills), contiguous rows (the planes measured 6 % slower there) and the dconv kernel. Both: stage
+# A's rows one iteration ahead, the weights loaded where each stage uses them (hoisting them spills on sm_100a).
 BWD_PARAMS = {
     True: dict(vecs=1, hoist_w=False, ahead=True, planes=True),
     False: dict(vecs=2, hoist_w=False, ahead=True, planes=False),
 }
-# dconv kernel (d > 4096): 128 tokens x 128 threads at 4 CTAs/SM is one wave at d=7168, 8192 tokens.
+# dconv kernel (wide rows without the fused path): 128 tokens x 128 threads at 4 CTAs/SM (one wave at d=7168, 8192
+# tokens, where it ran before the cluster).
 DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
+
+
+def bwd_config(d: int) -> dict:
+    """The backward main kernel's parameters for rows of ``d`` columns: ``split`` CTAs (a cluster) per chain chunk
+    (``bwd_split``: 2 for 4096 < d <= 8192), then ``BWD_PARAMS`` by whether dconv_w is accumulated in the main
+    kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it). A cluster walks ``2 * CHUNK``
+    tokens, so that at 8192 tokens the clusters fill one wave as single CTAs of ``CHUNK`` tokens do (the H200 at
+    d=7168: 544 us against 561 at 64 tokens and 597 at 32 per cluster; run 1 of sweep_gate_conv_bwd_s7.log)."""
+    split = bwd_split(d)
+    fused = fuse_dconv(d // split)
+    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, **BWD_PARAMS[fused])
+
+
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -202,12 +221,12 @@ def _gate_conv_bwd_dev(
     part: torch.Tensor, dpart: torch.Tensor, dilation: int,
 ) -> None:
     d, taps = H.shape[2], conv_w.shape[0]
-    fused = fuse_dconv(d)
+    cfg = bwd_config(d)
     params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation)
-    gate_conv_bwd_kernel.get(H.device, chunk=CHUNK, with_dconv=fused, **BWD_PARAMS[fused], **params)(
+    gate_conv_bwd_kernel.get(H.device, **cfg, **params)(
         dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dH, dk, dv, part
     )
-    if not fused:
+    if not cfg["with_dconv"]:
         gate_conv_dconv_kernel.get(H.device, **DCONV_PARAMS, **params)(dY, v, rms_w_v, conv_w, alpha, rrms_v, dpart)
 
 
@@ -240,11 +259,12 @@ def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, r
     if M * T == 0:
         z = torch.zeros((2 + taps, d), dtype=torch.float32, device=dev)
         return dH, dk, dv, z[0], z[1], z[2:]
-    fused = fuse_dconv(d)
-    if not bwd_fits(d, taps, BWD_PARAMS[fused]["vecs"]):  # rows too wide for the kernel's shared-memory rings
+    cfg = bwd_config(d)
+    fused = cfg["with_dconv"]
+    if not bwd_fits(d // cfg["split"], taps, cfg["vecs"]):  # rows too wide for the kernel's shared-memory rings
         return reference.gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v,
                                            dilation)
-    nparts = _num_parts(M, T, dilation)
+    nparts = _num_parts(M, T, dilation, cfg["chunk"])
     part = torch.empty((nparts, 2 + taps if fused else 2, d), dtype=torch.float32, device=dev)
     dparts = _num_parts(M, T, dilation, DCONV_PARAMS["chunk"])
     dpart = torch.empty((dparts, taps, d) if not fused else (1, 1, 1), dtype=torch.float32, device=dev)
