@@ -291,10 +291,8 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert path == "gemv"
     src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
     assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src
-    path, cfg = decode.decode_plan(17, d_mem, d)
-    assert path == "fused"
-    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
-    cfg = decode.fused_config(64, d_mem, d)  # the block_m 64 tiling (the op's path at d = 7168)
+    path, cfg = decode.decode_plan(17, d_mem, d)  # block_m 64, as at B=64 (d = 7168)
+    assert path == "fused" and cfg == decode.fused_config(64, d_mem, d)
     src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
     assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
     for B in (1, 64):  # the two-launch path: large batches, and smaller GPUs

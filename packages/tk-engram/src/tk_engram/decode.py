@@ -20,10 +20,11 @@ are identical run to run):
   W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K, no shared memory in the
   loop); the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
   8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
-- more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for both weights (W read once for
-  up to 64 rows per 64-column panel; d_mem split into float32 partials so that the grid fills the GPU) whose
-  last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes the panel's row sums
-  and, after a barrier among the panel finishers, does the gate, convolution and cache update for its columns.
+- more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for
+  both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the
+  grid fills the GPU) whose last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes
+  the panel's row sums and, after a barrier among the panel finishers, does the gate, convolution and cache
+  update for its columns.
 - 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``), and whenever there are too
   many waiting CTAs for the SMs, two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER`` CTAs per
   row (``decode_step_kernel``).
