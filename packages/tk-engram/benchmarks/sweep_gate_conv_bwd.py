@@ -27,22 +27,22 @@ from tk_engram import _gate_conv_kernels as K
 from tk_engram import gate_conv, reference
 
 
-def config(split_max=2, chunk=gate_conv.CHUNK, wide=None):
-    """A ``bwd_config``: ``split_max`` 1 is the one-CTA-per-chunk kernel of session 6 at every width; ``wide``
-    overrides ``BWD_PARAMS`` for the rows that keep the unfused path."""
+def config(split_max=2, cluster_chunk=2 * gate_conv.CHUNK):
+    """A ``bwd_config``: ``split_max`` 1 is the one-CTA-per-chunk kernel of session 6 at every width;
+    ``cluster_chunk`` the tokens a 2-CTA cluster walks (single CTAs keep ``CHUNK``)."""
     def cfg(d):
         split = min(K.bwd_split(d), split_max)
         fused = K.fuse_dconv(d // split)
-        params = gate_conv.BWD_PARAMS[fused] if fused or wide is None else wide
-        return dict(chunk=chunk, split=split, with_dconv=fused, **params)
+        chunk = cluster_chunk if split > 1 else gate_conv.CHUNK
+        return dict(chunk=chunk, split=split, with_dconv=fused, **gate_conv.BWD_PARAMS[fused])
     return cfg
 
 
 VARIANTS = {
-    "new": gate_conv.bwd_config,  # the op default
+    "new": gate_conv.bwd_config,  # the op default (128 tokens per cluster)
     "nosplit": config(split_max=1),  # session 6: one CTA per chunk, 2 vectors per thread and the dconv kernel
-    "split_c128": config(chunk=128),  # half the chunks: one wave of clusters at 8192 tokens, half the halo
-    "split_c32": config(chunk=32),
+    "split_c64": config(cluster_chunk=64),  # twice the clusters: two rounds at 8192 tokens
+    "split_c32": config(cluster_chunk=32),
 }
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)

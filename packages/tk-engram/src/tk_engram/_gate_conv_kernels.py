@@ -12,6 +12,7 @@ sequence, recomputing a halo of ``taps - 1`` chain tokens before (and, in the ba
 import math
 
 import tilelang.language as T
+from tvm import tirx
 
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div
@@ -473,6 +474,12 @@ def fuse_dconv(d: int) -> bool:
     return row_layout(d)[1] <= 512
 
 
+def cluster_sync():
+    """Every thread of the thread block cluster waits for all of them (TileLang's ``tl.cluster_sync``: the
+    barrier.cluster arrive / wait pair, release / acquire)."""
+    return T.evaluate(tirx.call_intrin("void", tirx.op.Op.get("tl.cluster_sync")))
+
+
 def bwd_split(d: int) -> int:
     """CTAs that share a row in the backward: 2 (a thread block cluster, each CTA half of the columns) for rows
     wider than 4096 whose halves take the fused single-kernel path (16-byte vectors: d % 16 == 0; d <= 8192),
@@ -536,7 +543,7 @@ RCP_FAST_BITS = (127 + 126) << 23  # the bits of 2**126
 # The backward's 2-CTA cluster (``split``). ``tk_st_peer_f32``: a float32 store into the same shared-memory
 # variable of CTA ``rank`` of the cluster (st.async: no fence; completion is counted on that CTA's mbarrier ``bar``,
 # which its waiters observe with acquire semantics). The mbarriers (arrival count 1: ``tk_mbar_expect``, which also
-# announces the bytes due) are initialised before the first cluster barrier. A cluster barrier per token instead
+# announces the bytes due) are initialised before the first ``cluster_sync``. A cluster barrier per token instead
 # (barrier.cluster.arrive has release semantics: a fence that waits for the thread's global stores) measured slower.
 _CLUSTER = r"""
 __device__ __forceinline__ unsigned tk_smem(const void* p) {
@@ -560,9 +567,6 @@ __device__ __forceinline__ void tk_st_peer_f32(float* p, void* bar, unsigned ran
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(tk_smem(bar)), "r"(rank));
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
                :: "r"(a), "r"(__float_as_uint(v)), "r"(b) : "memory");
-}
-__device__ __forceinline__ void tk_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 """
 
@@ -741,7 +745,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                 if tx == 0:
                     for q in T.unroll(2):
                         T.evaluate(T.call_extern("handle", "tk_mbar_init", T.address_of(mbar[q])))
-                T.evaluate(T.call_extern("handle", "tk_cluster_sync"))
+                cluster_sync()
             for it in T.serial(2 * R + chunk):
                 tj = base + dilation * (it - R)
                 ti = tj - dilation * R

@@ -50,7 +50,7 @@ from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
 from . import reference
-from ._gate_conv_kernels import VEC, add_row_sums
+from ._gate_conv_kernels import VEC, add_row_sums, cluster_sync
 from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
 # CTAs per batch row in the step kernel (a thread block cluster): 8 SMs instead of 1 load a row at small batch.
@@ -319,7 +319,7 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
                     for q in T.vectorized(4):
                         S[bb, br, q] = part[q]
                     T.evaluate(T.call_extern("handle", "__threadfence"))
-                T.evaluate(tirx.call_intrin("void", tirx.op.Op.get("tl.cluster_sync")))
+                cluster_sync()
                 for q in T.unroll(4):
                     part[q] = T.float32(0)
                 for r in T.unroll(cluster):
