@@ -7,7 +7,8 @@ loads by CTAs of 128 threads, 8 loads per thread in flight, in four orders: ``pa
 64-column panel c over all rows: 128-byte row segments 16 KB apart, the order of ``decode_gemv_kernel``),
 ``panel_x2`` (256 CTAs, 2 per SM: each panel split into two halves of the rows), ``panel256`` (128 CTAs, a
 256-column panel over a quarter of the rows: 512-byte segments) and ``rows`` (128 CTAs, 16 whole rows each: 256 KB
-contiguous). CUPTI, L2 flushed.
+contiguous). Each order runs with 8 loads per thread in flight (16 KB per CTA) and with as many as the GEMV keeps
+per SM (64 KB: 32 loads per thread at 1 CTA per SM, 16 at 2). CUPTI, L2 flushed.
 """
 
 import tilelang.language as T
@@ -17,12 +18,13 @@ from tk_core.jit import kernel
 from tk_core.testing.bench import device_time_us
 
 R, C = 2048, 8192
-THREADS, U = 128, 8
+THREADS = 128
 LAYOUTS = {"panel": 128, "panel_x2": 256, "panel256": 128, "rows": 128}  # layout: CTAs
+IN_FLIGHT = {"panel": (8, 32), "panel_x2": (8, 16), "panel256": (8, 32), "rows": (8,)}  # layout: loads per thread
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
-def read_kernel(layout: str):
+def read_kernel(layout: str, U: int = 8):
     ctas = LAYOUTS[layout]
     steps = R * C // (ctas * THREADS * 8)  # 16-byte vectors per thread
 
@@ -61,10 +63,12 @@ def read_kernel(layout: str):
 def main():
     W = torch.randn(R, C, device="cuda").bfloat16()
     for layout in list(LAYOUTS) * 2:
-        k = read_kernel.get(W.device, layout=layout)
-        out = torch.empty(LAYOUTS[layout] * THREADS, dtype=torch.float32, device="cuda")
-        us = device_time_us(lambda k=k, out=out: k(W, out))
-        print(f"{layout}: {us:.2f} us, {R * C * 2 / us / 1e3:.0f} GB/s", flush=True)
+        for u in IN_FLIGHT[layout]:
+            k = read_kernel.get(W.device, layout=layout, U=u)
+            out = torch.empty(LAYOUTS[layout] * THREADS, dtype=torch.float32, device="cuda")
+            us = device_time_us(lambda k=k, out=out: k(W, out))
+            kb = LAYOUTS[layout] * THREADS * u * 16 // 132 // 1024
+            print(f"{layout} U={u} (~{kb} KB/SM in flight): {us:.2f} us, {R * C * 2 / us / 1e3:.0f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

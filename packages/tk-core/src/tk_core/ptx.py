@@ -87,3 +87,50 @@ def fast_div_key(a):
 def fast_div_ok(key_max):
     """Whether the group whose ``fast_div_key`` maximum is ``key_max`` may take ``div_fast``."""
     return key_max <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO))
+
+
+# 1 / b for b in [1, 2**126) (SiLU's b = 1 + exp(-u)): nvcc compiles the IEEE ``1.0f / b`` (rcp.rn.f32) to
+# rcp.approx + two FMAs behind an exponent test that sends b >= 2**126 (and inf, NaN) to a slow-path call;
+# ``tk_rcp_fast`` is that fast path without the test (fma(-b, r, 1) is nvcc's -(b*r - 1): rounding is symmetric
+# and a zero's sign cannot change r*t + r), so in range it gives nvcc's bits. Its value is also the refined
+# reciprocal inside ``tk_div_fast(a, b)``. Callers gate a group of values on its range, e.g. by the unsigned
+# maximum of their bits against ``RCP_FAST_BITS``, and keep the division for other groups.
+RCP_FAST = r"""
+__device__ __forceinline__ float tk_rcp_fast(float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
+}
+"""
+RCP_FAST_BITS = (127 + 126) << 23  # the bits of 2**126
+
+
+def rcp_fast(b):
+    """``1 / b`` by ``RCP_FAST`` (the kernel's prelude must contain it): the IEEE reciprocal for b in [1, 2**126)."""
+    return T.call_extern("float32", "tk_rcp_fast", b)
+
+
+# e4m3 -> float32, four values of one 32-bit word at a time: one ``cvt.rn.f16x2.e4m3x2`` per pair of bytes, then
+# each f16 to float32 (both exact: every e4m3 value, NaN included, is an f16 value, the same f16 as the one-byte
+# conversion gives). TileLang's cast of an fp8 element converts each byte alone (a byte extraction, a cvt and the
+# widening per element): 3 instructions per element against about 1.75 here.
+E4M3X4_TO_F32 = r"""
+__device__ __forceinline__ void tk_e4m3x4_to_f32(float* dst, const void* src) {
+  const unsigned w = *reinterpret_cast<const unsigned*>(src);
+  unsigned lo, hi;  // f16 pairs of bytes 0-1 and 2-3 (the lower byte into the lower half)
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, a;\n\tcvt.rn.f16x2.e4m3x2 %1, b;\n\t}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(dst[0]), "=f"(dst[1]) : "r"(lo));
+  asm("{\n\t.reg .b16 a, b;\n\tmov.b32 {a, b}, %2;\n\tcvt.f32.f16 %0, a;\n\tcvt.f32.f16 %1, b;\n\t}"
+      : "=f"(dst[2]), "=f"(dst[3]) : "r"(hi));
+}
+"""
+
+
+def e4m3x4_to_f32(dst_address, src_address):
+    """Widens the four e4m3 values at ``src_address`` (4-byte aligned, e.g. ``T.address_of(buf[4 * i])`` of a
+    local fp8 buffer) into the four float32 at ``dst_address``; the kernel's prelude must contain
+    ``E4M3X4_TO_F32``. Bit for bit ``T.cast(x, "float32")`` of each value."""
+    return T.call_extern("handle", "tk_e4m3x4_to_f32", dst_address, src_address)
+

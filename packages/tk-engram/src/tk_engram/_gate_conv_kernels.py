@@ -16,7 +16,7 @@ from tvm import tirx
 
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div
-from tk_core.ptx import DIV_FAST, div_fast, fast_div_key, fast_div_ok
+from tk_core.ptx import DIV_FAST, RCP_FAST, RCP_FAST_BITS, div_fast, fast_div_key, fast_div_ok, rcp_fast
 
 VEC = 8  # elements per 16-byte access (float16 / bfloat16)
 
@@ -526,19 +526,6 @@ def bwd_layout(d: int, vecs: int) -> tuple[int, int]:
     return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
 
 
-# The backward's SiLU reciprocal 1 / b, b = 1 + exp(-u) >= 1. nvcc compiles the IEEE ``1.0f / b`` (rcp.rn.f32) to
-# rcp.approx + two FMAs behind an exponent test that sends b >= 2**126 (and inf, NaN) to a slow-path call;
-# ``tk_rcp_fast`` is that fast path without the test (fma(-b, r, 1) is nvcc's -(b*r - 1): rounding is symmetric
-# and a zero's sign cannot change r*t + r). A vector whose 8 denominators are all below 2**126 (one unsigned max
-# per element on the bits) takes it and gets nvcc's bits; other vectors keep the division.
-_RCP_FAST = r"""
-__device__ __forceinline__ float tk_rcp_fast(float b) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  return __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-}
-"""
-RCP_FAST_BITS = (127 + 126) << 23  # the bits of 2**126
 
 # The backward's 2-CTA cluster (``split``). ``tk_st_peer_f32``: a float32 store into the same shared-memory
 # variable of CTA ``rank`` of the cluster (st.async: no fence; completion is counted on that CTA's mbarrier ``bar``,
@@ -578,7 +565,6 @@ def bwd_elementwise(dtype: str):
     a pair into buf[i], buf[i + 1]. ``sigmoid(sg, uu, tt, km)``: sg[e] = 1 / (1 + exp(-uu[e])) for the 8
     elements (the same expf and correctly rounded reciprocal as ``1 / (1 + exp(-u))``; tt, km are scratch)."""
     prelude, widen, pack = elementwise(dtype)
-    f32 = "float32"
 
     def el(buf, i0, k, j):
         return widen(buf, i0 + 2 * k, j)
@@ -592,12 +578,12 @@ def bwd_elementwise(dtype: str):
             km[0] = T.max(km[0], T.reinterpret(tt[e], "uint32"))
         if km[0] < T.uint32(RCP_FAST_BITS):
             for e in T.unroll(VEC):
-                sg[e] = T.call_extern(f32, "tk_rcp_fast", tt[e])
+                sg[e] = rcp_fast(tt[e])
         else:
             for e in T.unroll(VEC):
                 sg[e] = T.float32(1) / tt[e]
 
-    return prelude + _RCP_FAST, el, pack, sigmoid
+    return prelude + RCP_FAST, el, pack, sigmoid
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})

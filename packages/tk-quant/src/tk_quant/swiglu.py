@@ -47,7 +47,9 @@ Kernels: the per-token kernels give each warp 256-column chunks of one row (forw
 consecutive chunks per warp, all loaded before the math, or the whole row with one scale per row; backward:
 one CTA per row, ``reference.WGRAD_SPANS`` spans of two chunks per warp); each lane owns 8 consecutive
 columns of every chunk (16-byte bf16 loads, 8-byte e4m3 stores); the group amax is a xor-shuffle reduction
-over the ``bk/8`` lanes of a group. The per-channel kernel tiles ``bm`` tokens x 64 or 128 columns over 128
+over the ``bk/8`` lanes of a group. The divisions take ``tk_core.ptx``'s fast paths (the IEEE results, without
+the per-division range check) for every 8-column chunk whose values lie in their range: the forwards and the
+backward without a preload pipeline. The per-channel kernel tiles ``bm`` tokens x 64 or 128 columns over 128
 (bm = 32) or 256 threads; the column amax is reduced with shuffles
 and one shared-memory exchange, after which one thread per column computes its scale once and shares
 ``sf_inv`` through shared memory; the transposed store goes through a shared-memory tile.
@@ -67,7 +69,7 @@ from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
-from tk_core.ptx import DIV_FAST, div_fast, fast_div_key, fast_div_ok
+from tk_core.ptx import DIV_FAST, RCP_FAST, div_fast, fast_div_key, fast_div_ok, rcp_fast
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
@@ -632,6 +634,35 @@ def swiglu_bwd_token_kernel(
     def in_range(col):
         return col < H if ragged else True
 
+    @T.macro
+    def chunk_grads(qg, qu, gr, sfg, sfu, gk, tv, ov, dg, du, amg, amu, acc, wv, clamp, c, k, fast: bool):
+        """Chunk c of span k: the SwiGLU, its gradients, the outputs and the chunk's amaxes. ``fast``: g (before the
+        clamp) is in ``gk`` and the divisions go through ``rcp_fast`` / ``div_fast`` (the caller checked the
+        range); else g is widened here and the divisions are IEEE's."""
+        for i in T.unroll(VEC):
+            g0 = gk[i] if fast else T.cast(qg[slot(k - lag, c), i], "float32") * sfg[slot(k - lag, c)]
+            u0 = T.cast(qu[slot(k - lag, c), i], "float32") * sfu[slot(k - lag, c)]
+            g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
+            tv[0] = g1
+            tv[1] = u1
+            tv[2] = T.float32(1) + T.exp(-tv[0])
+            tv[3] = rcp_fast(tv[2]) if fast else T.float32(1) / tv[2]
+            tv[4] = (div_fast(tv[0], tv[2]) if fast else tv[0] / tv[2]) * tv[1]
+            gf = T.cast(gr[slot(k - lag, c), i], "float32")
+            ov[c, i] = tv[4] * wv[0]
+            acc[0] = acc[0] + T.fmul(gf, tv[4])
+            tv[5] = gf * wv[0] * tv[3]
+            dgv = tv[5] * tv[1] * T.fma(tv[0], T.float32(1) - tv[3], T.float32(1))
+            duv = tv[5] * tv[0]
+            if clamp_on:
+                dg[c, i] = T.if_then_else(cg, T.float32(0), dgv)
+                du[c, i] = T.if_then_else(cu, T.float32(0), duv)
+            else:
+                dg[c, i] = dgv
+                du[c, i] = duv
+            amg[c] = T.max(amg[c], T.abs(dg[c, i]))
+            amu[c] = T.max(amu[c], T.abs(du[c, i]))
+
     @T.prim_func
     def main(
         x: T.Tensor((E, 2 * H), "float8_e4m3fn"),
@@ -647,7 +678,7 @@ def swiglu_bwd_token_kernel(
         clamp: T.float32,
         clamp_min: T.float32,
     ):
-        with T.Kernel(E, threads=warps * 32) as row:
+        with T.Kernel(E, threads=warps * 32, prelude=None if lag else DIV_FAST + RCP_FAST) as row:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -666,6 +697,8 @@ def swiglu_bwd_token_kernel(
             acc = T.alloc_local((1,), "float32")
             wv = T.alloc_local((1,), "float32")
             tv = T.alloc_local((6,), "float32")
+            gk = T.alloc_local((VEC,), "float32")  # the chunk's g before the clamp
+            km = T.alloc_local((1,), "uint32")
             red = T.alloc_shared((warps,), "float32")
             idx = pos_to_token_topk[row]
             if idx >= 0 and idx < n_w:
@@ -701,29 +734,20 @@ def swiglu_bwd_token_kernel(
                     for c in T.unroll(U):
                         amg[c] = T.float32(0)
                         amu[c] = T.float32(0)
-                        for i in T.unroll(VEC):
-                            g0 = T.cast(qg[slot(k - lag, c), i], "float32") * sfg[slot(k - lag, c)]
-                            u0 = T.cast(qu[slot(k - lag, c), i], "float32") * sfu[slot(k - lag, c)]
-                            g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
-                            tv[0] = g1
-                            tv[1] = u1
-                            tv[2] = T.float32(1) + T.exp(-tv[0])
-                            tv[3] = T.float32(1) / tv[2]
-                            tv[4] = tv[0] / tv[2] * tv[1]
-                            gf = T.cast(gr[slot(k - lag, c), i], "float32")
-                            ov[c, i] = tv[4] * wv[0]
-                            acc[0] = acc[0] + T.fmul(gf, tv[4])
-                            tv[5] = gf * wv[0] * tv[3]
-                            dgv = tv[5] * tv[1] * T.fma(tv[0], T.float32(1) - tv[3], T.float32(1))
-                            duv = tv[5] * tv[0]
-                            if clamp_on:
-                                dg[c, i] = T.if_then_else(cg, T.float32(0), dgv)
-                                du[c, i] = T.if_then_else(cu, T.float32(0), duv)
+                        if lag:  # at its register cap the pipeline keeps the plain divisions (8 g more would spill)
+                            chunk_grads(qg, qu, gr, sfg, sfu, gk, tv, ov, dg, du, amg, amu, acc, wv, clamp, c, k, False)
+                        else:
+                            # The chunk takes the divisions' fast paths when every clamped g lies in div_fast's range
+                            # (``fast_div_ok``): a clamped g is g or the clamp value, so both are keyed. Then t < 2**93,
+                            # in rcp_fast's range, and 1 / t and g / t share its reciprocal.
+                            km[0] = fast_div_key(clamp) if clamp_on else T.uint32(0)
+                            for i in T.unroll(VEC):
+                                gk[i] = T.cast(qg[c, i], "float32") * sfg[c]
+                                km[0] = T.max(km[0], fast_div_key(gk[i]))
+                            if fast_div_ok(km[0]):
+                                chunk_grads(qg, qu, gr, sfg, sfu, gk, tv, ov, dg, du, amg, amu, acc, wv, clamp, c, k, True)
                             else:
-                                dg[c, i] = dgv
-                                du[c, i] = duv
-                            amg[c] = T.max(amg[c], T.abs(dg[c, i]))
-                            amu[c] = T.max(amu[c], T.abs(du[c, i]))
+                                chunk_grads(qg, qu, gr, sfg, sfu, gk, tv, ov, dg, du, amg, amu, acc, wv, clamp, c, k, False)
                         for off in offsets:
                             amg[c] = T.max(amg[c], T.shfl_xor(amg[c], off))
                             amu[c] = T.max(amu[c], T.shfl_xor(amu[c], off))
@@ -775,10 +799,12 @@ CHANNEL_TUNING = {32: dict(threads=128, min_blocks=6), 128: dict(threads=THREADS
 
 def bwd_tuning(arch: str, clamp_on: bool) -> dict:
     """Backward kernel parameters. H200 without the clamp: the software pipeline at 4 CTAs per SM (72
-    registers, no spill on sm_90a; sm_100a spills at that cap) was best (3,722 vs 3,613 GB/s); with the clamp
-    the plain loop at 80 registers was (3,497 vs 3,372 for the pipeline, which spills at 4 CTAs)."""
+    registers, no spill on sm_90a; sm_100a spills at that cap) was best (3,722 vs 3,613 GB/s). With the clamp:
+    the plain loop with the chunk-gated fast divisions at 4 CTAs per SM (72 registers, no spill on either arch;
+    session 8: 213.7 against 221.5 us at bk 128, 197.9 against 204.3 at bk 32). Without the cap that loop takes 92
+    registers and 3 CTAs per SM and was 18 % slower; the pipeline spills at 4 CTAs."""
     if clamp_on:
-        return dict(preload=False, min_blocks=1)
+        return dict(preload=False, min_blocks=4)
     return dict(preload=True, min_blocks=4 if arch == "sm_90a" else 1)
 
 
