@@ -110,6 +110,8 @@ def test_compiles(arch, params):
 
     src = assert_compiles(per_channel_cast_kernel, arch, **params)
     assert "__fdividef" not in src and "__frcp" not in src
+    # e4m3 input: widened four values per call (the helper's definition and its calls), not by TileLang's cast
+    assert (src.count("tk_e4m3x4_to_f32(") > 1) == bool(params.get("quant_in"))
 
 
 # --- gpu tier -----------------------------------------------------------------------------------------

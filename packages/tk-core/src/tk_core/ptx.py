@@ -133,4 +133,3 @@ def e4m3x4_to_f32(dst_address, src_address):
     local fp8 buffer) into the four float32 at ``dst_address``; the kernel's prelude must contain
     ``E4M3X4_TO_F32``. Bit for bit ``T.cast(x, "float32")`` of each value."""
     return T.call_extern("handle", "tk_e4m3x4_to_f32", dst_address, src_address)
-
