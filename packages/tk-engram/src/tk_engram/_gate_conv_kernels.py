@@ -526,7 +526,6 @@ def bwd_layout(d: int, vecs: int) -> tuple[int, int]:
     return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
 
 
-
 # The backward's 2-CTA cluster (``split``). ``tk_st_peer_f32``: a float32 store into the same shared-memory
 # variable of CTA ``rank`` of the cluster (st.async: no fence; completion is counted on that CTA's mbarrier ``bar``,
 # which its waiters observe with acquire semantics). The mbarriers (arrival count 1: ``tk_mbar_expect``, which also
