@@ -24,11 +24,15 @@ from tk_quant import reference
 from tk_quant.per_channel_cast import blocks_per_sm, per_channel_cast_kernel
 
 QIN = "quant_in"  # the QuantTensor-input lines
-# name: (per-channel lines it applies to: None all, QIN; channel overrides)
+PLAIN = "plain"  # the bf16 / fp32 lines without a gather or transpose
+# name: (per-channel lines it applies to: None all, QIN, PLAIN; channel overrides)
 VARIANTS = {
     "default": (None, {}),
     "qmb3": (QIN, dict(min_blocks=3)),  # QuantTensor input at 3 CTAs per SM (its widened tile then spills)
     "qv8mb4": (QIN, dict(vec=8, min_blocks=4)),  # 8-channel e4m3 rows
+    # bf16 tiles of 128 x 32 channels at 6 CTAs per SM (a finer tail), and of 128 x 128 at 2
+    "v4mb6": (PLAIN, dict(vec=4, min_blocks=6)),
+    "v16mb2": (PLAIN, dict(vec=16, min_blocks=2)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")
@@ -66,7 +70,8 @@ def full(p, over, sms, arch):
 
 
 def applies(sel, p):
-    return sel is None or (sel == QIN and p.get("quant_in", False))
+    quant_in, gather, transpose = (p.get(k, False) for k in ("quant_in", "gather", "transpose"))
+    return sel is None or (sel == QIN and quant_in) or (sel == PLAIN and not (quant_in or gather or transpose))
 
 
 def make_input(p, t, t_in=None):

@@ -683,9 +683,16 @@ def test_gpu_forward_per_token_opcheck_compile_graph():
     assert_equal(c3, c1)
 
 
-def _bwd_inputs(tokens: int, h: int, bk: int, topk: int = 2, experts: int = 9):
+def _bwd_inputs(tokens: int, h: int, bk: int, topk: int = 2, experts: int = 9, spread: bool = False):
+    """``spread``: every 8 columns get their own magnitude, 2**-20 to 2**11, so that after the per-block cast some
+    8-column chunks hold a |g| above 64 (beyond the fast divisions' range), some zeros next to non-zeros, and some
+    only values in range. (The cast's amax floor keeps non-zero |g| above 2**-40: the range's lower end, 2**-64,
+    cannot be reached through a quantized input.)"""
     idx, (pe, ptt, ttp) = moe_case(tokens, topk, experts, bk, DEV)
-    x = expand_to_fused(torch.randn(tokens, 2 * h, device=DEV).bfloat16(), ptt, topk)
+    x = torch.randn(tokens, 2 * h, device=DEV)
+    if spread:
+        x = x * torch.exp2(torch.randint(-20, 12, (tokens, 2 * h // 8, 1), device=DEV).float()).expand(-1, -1, 8).reshape(tokens, -1)
+    x = expand_to_fused(x.bfloat16(), ptt, topk)
     q = R.cast(x, "e4m3", (1, bk))
     weight = torch.rand(tokens, topk, device=DEV)
     grad = torch.randn(x.shape[0], h, device=DEV).bfloat16()
@@ -751,6 +758,23 @@ def test_gpu_backward_small(tokens):
     ttp.view(-1)[ptt[ptt >= 0].long()] = (ptt >= 0).nonzero().squeeze(1).int()
     got = BWD(q, grad, weight, ptt, ttp, 128, True, 0.5)
     want = R.swiglu_backward_and_per_token_cast(q, grad, weight, ptt, ttp, 128, True, 0.5)
+    for a, b in zip(
+        (got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True
+    ):
+        assert_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clamp", [None, 0.5, 100.0])
+def test_gpu_backward_wide_values(clamp):
+    """Chunks with a |g| beyond the fast divisions' range (above 64) next to in-range ones in one launch, so each
+    8-column chunk of the clamp kernel picks its own path; a clamp of 100 is itself out of range and keeps every
+    chunk on the IEEE path."""
+    q, grad, weight, ptt, ttp = _bwd_inputs(300, 2048, 32, spread=True)
+    g = (q[0][:, :1024].float() * q[1][:, :32].repeat_interleave(32, 1)).view(-1, 128, 8).abs().amax(-1)
+    assert (g > 64).any() and ((g > 0) & (g <= 64)).any()
+    got = BWD(q, grad, weight, ptt, ttp, 32, True, clamp)
+    want = R.swiglu_backward_and_per_token_cast(q, grad, weight, ptt, ttp, 32, True, clamp)
     for a, b in zip(
         (got[0], got[1][0], got[1][1], got[2], got[3]), (want[0], want[1][0], want[1][1], want[2], want[3]), strict=True
     ):

@@ -636,11 +636,11 @@ def swiglu_bwd_token_kernel(
 
     @T.macro
     def chunk_grads(qg, qu, gr, sfg, sfu, gk, tv, ov, dg, du, amg, amu, acc, wv, clamp, c, k, fast: bool):
-        """Chunk c of span k: the SwiGLU, its gradients, the outputs and the chunk's amaxes. ``fast``: g (before the
-        clamp) is in ``gk`` and the divisions go through ``rcp_fast`` / ``div_fast`` (the caller checked the
-        range); else g is widened here and the divisions are IEEE's."""
+        """Chunk c of span k: the SwiGLU, its gradients, the outputs and the chunk's amaxes. Without the pipeline
+        (``lag`` 0) g before the clamp is in ``gk``, else it is widened here. ``fast``: the divisions go through
+        ``rcp_fast`` / ``div_fast`` (the caller checked the range), else they are IEEE's."""
         for i in T.unroll(VEC):
-            g0 = gk[i] if fast else T.cast(qg[slot(k - lag, c), i], "float32") * sfg[slot(k - lag, c)]
+            g0 = T.cast(qg[slot(k - lag, c), i], "float32") * sfg[slot(k - lag, c)] if lag else gk[i]
             u0 = T.cast(qu[slot(k - lag, c), i], "float32") * sfu[slot(k - lag, c)]
             g1, u1, cg, cu = _swiglu(g0, u0, clamp_on, clamp)
             tv[0] = g1
