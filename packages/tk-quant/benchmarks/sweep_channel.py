@@ -147,6 +147,8 @@ def main():
                     ok &= check(k, p, tt)
                 if s == first and i == 0:
                     for j in range(len(EXTRA)):
+                        if (s, f"x{j}") not in ks:  # an extra kernel the variant does not apply to
+                            continue
                         kx, px = ks[(s, f"x{j}")]
                         for tt in ([0, 16, 208] if px["transpose"] else [0, 1, 200]):
                             ok &= check(kx, px, tt, t_in=tt + 37 if px["gather"] else None)
