@@ -1,7 +1,7 @@
 """Compares tuning variants of the three SwiGLU kernels in one GPU run (not a pytest file).
 
-    python3 packages/tk-quant/benchmarks/sweep_swiglu.py [fwd_token|fwd_channel|bwd_token ...]  (default: the
-    two forward kernels)
+    python3 packages/tk-quant/benchmarks/sweep_swiglu.py [fwd_token|fwd_channel|bwd_token[:VARIANT,...] ...]
+    (default: the two forward kernels, every variant; ``fwd_token:default,longdiv`` runs those two only)
 
 Each variant's kernels are compiled in parallel, then the public op runs with that variant (the factory the
 device op calls is swapped for one that hands out the precompiled kernel). Every variant is checked bit-exact
@@ -44,6 +44,7 @@ VARIANTS = {
             "s3base": dict(pack_counts=False, clamp_impl="select", widen_words=False),
             "nowords": dict(widen_words=False),
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
+            "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division (no-clamp lines)
         },
     ),
     "fwd_channel": (
@@ -52,6 +53,7 @@ VARIANTS = {
             "default": {},  # bm=32: 128 threads, 6 CTAs per SM, tk_div_fast
             "s3base": dict(clamp_impl="select", widen_words=False),
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
+            "longdiv": dict(short_div=False),
         },
     ),
     "bwd_token": (
@@ -257,7 +259,10 @@ def main():
     table = {}
     plan = []
     for name in names:
+        name, _, only = name.partition(":")
         attr, variants = VARIANTS[name]
+        if only:
+            variants = {v: variants[v] for v in only.split(",")}
         factory = getattr(S, attr)
         try:
             cases, op, ref = builders[name]()

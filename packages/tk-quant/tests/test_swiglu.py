@@ -405,8 +405,10 @@ def test_per_channel_validation(kwargs, exc, match):
 FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none", chunks=2,
          min_blocks=10, pair_scales=True),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none", chunks=2,
+         min_blocks=10, pair_scales=True, widen_words=True, short_div=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=10, pair_scales=True),
+         min_blocks=10, pair_scales=True, short_div=True),
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          min_blocks=10, pair_scales=True),
     dict(in_dtype="float32", hidden=7168, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=2,
@@ -442,7 +444,8 @@ BWD_VARIANTS = [  # the anchor shapes get the launcher's tuning per arch (strict
 ]
 CHAN_VARIANTS = [
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=False, **S.CHANNEL_TUNING[32]),
-    dict(hidden=7168, bm=32, round_sf=False, transpose=True, clamp_on=True, **S.CHANNEL_TUNING[32]),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=False, short_div=True, **S.CHANNEL_TUNING[32]),
+    dict(hidden=7168, bm=32, round_sf=False, transpose=True, clamp_on=True, short_div=True, **S.CHANNEL_TUNING[32]),
     dict(hidden=7168, bm=128, round_sf=True, transpose=True, clamp_on=False),
     dict(hidden=576, bm=32, round_sf=False, transpose=True, clamp_on=True),
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="nan", widen_words=True,
@@ -453,10 +456,11 @@ CHAN_VARIANTS = [
 ]
 
 
-def _common_codegen_checks(src: str):
+def _common_codegen_checks(src: str, short_div: bool = False):
     assert "__expf" not in src and "__fdividef" not in src and "__frcp" not in src, "approximate math in kernel"
     assert "expf(" in src
     assert "__NV_SATFINITE" in src or "cvt.rn.satfinite" in src
+    assert (src.count("tk_div_silu_bf16(") > 1) == short_div  # definition and calls
 
 
 @pytest.mark.compile
@@ -472,7 +476,8 @@ def test_compile_forward_per_token(arch, params):
         src = S.swiglu_fwd_token_kernel.compile(arch, **params).get_kernel_source()
     else:
         src = assert_compiles(S.swiglu_fwd_token_kernel, arch, **params)
-    _common_codegen_checks(src)
+    # the shorter SiLU division: bf16 gates without a clamp only
+    _common_codegen_checks(src, params.get("short_div", False) and params["clamp_mode"] == "none")
     assert "uint4" in src or "float4" in src  # 16-byte loads
     if params["clamp_mode"] == "count":
         assert "AtomicAdd" in src
@@ -502,7 +507,7 @@ def test_compile_backward(arch, params):
 @pytest.mark.parametrize("params", CHAN_VARIANTS, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_compile_forward_per_channel(arch, params):
     src = assert_compiles(S.swiglu_fwd_channel_kernel, arch, **params)
-    _common_codegen_checks(src)
+    _common_codegen_checks(src, params.get("short_div", False) and not params["clamp_on"])
     if params.get("clamp_impl") == "bf16":
         assert "min.NaN.bf16x2" in src
     if params["transpose"]:

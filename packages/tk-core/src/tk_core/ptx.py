@@ -65,6 +65,27 @@ __device__ __forceinline__ float tk_div_fast(float a, float b) {
 }
 """
 
+# ``a / b`` for SiLU's ``b = 1 + expf(-a)`` where ``a`` is a bf16 value with |a| in [2**-64, 64]: ``tk_div_fast``
+# without the Newton step on the reciprocal (two FMAs fewer): ``q = a * rcp.approx(b)``, then one FMA correction
+# with the unrefined reciprocal. rcp.approx is not the rounded reciprocal, so this has no general proof; but its inputs
+# are few (one ``b`` per bf16 ``a``), and ``test_gpu_div_silu_bf16`` compares every one of them with the IEEE
+# quotient on the device. Kernels take it on sm_90a only, the architecture that check runs on (H200).
+DIV_SILU_BF16 = r"""
+__device__ __forceinline__ float tk_div_silu_bf16(float a, float b) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+  float q = __fmaf_rn(a, r, 0.0f);
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+}
+"""
+
+
+def div_silu_bf16(a, b):
+    """``a / b`` by ``DIV_SILU_BF16`` (the kernel's prelude must contain it): the IEEE quotient for a bf16 ``a`` in
+    ``div_fast``'s range (``fast_div_ok``) and ``b = 1 + exp(-a)``, as checked on the device."""
+    return T.call_extern("float32", "tk_div_silu_bf16", a, b)
+
+
 # |a| in [2**-64, 64] (zeros, larger |a|, inf and NaN take the IEEE division), tested on the float bits as
 # ``2 * bits - 2 * LO <= 2 * (HI - LO)`` in uint32 (doubling drops the sign bit): two instructions per element.
 FAST_DIV_LO = (127 - 64) << 23

@@ -69,7 +69,7 @@ from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
-from tk_core.ptx import DIV_FAST, RCP_FAST, div_fast, fast_div_key, fast_div_ok, rcp_fast
+from tk_core.ptx import DIV_FAST, DIV_SILU_BF16, RCP_FAST, div_fast, div_silu_bf16, fast_div_key, fast_div_ok, rcp_fast
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
@@ -253,10 +253,12 @@ __device__ __forceinline__ void tk_clamp_count2_lt(unsigned* acc, const void* g,
 """
 
 
-def _act(g, u, w, weighted: bool, fast: bool):
-    """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``."""
+def _act(g, u, w, weighted: bool, fast: bool, short: bool = False):
+    """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``
+    (``tk_div_silu_bf16`` if also ``short``: bf16 ``g`` only)."""
     t = T.float32(1) + T.exp(-g)
-    a = (div_fast(g, t) if fast else g / t) * u
+    q = (div_silu_bf16(g, t) if short else div_fast(g, t)) if fast else g / t
+    a = q * u
     return a * w if weighted else a
 
 
@@ -294,6 +296,7 @@ def swiglu_fwd_token_kernel(
     pack_counts: bool = True,
     clamp_impl: str = "nan",
     widen_words: bool = True,
+    short_div: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -309,7 +312,8 @@ def swiglu_fwd_token_kernel(
     most 32 * 16 elements of its span), so the warp reduction is one xor-shuffle chain instead of four, and the bf16
     counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``). ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan"
     and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw words before the clamp).
-    ``widen_words``: bf16 inputs widened through ``BF16_WORDS``."""
+    ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: without a clamp and for bf16 inputs,
+    the fast chunks divide by ``tk_div_silu_bf16`` (checked on sm_90a: callers pass ``arch == "sm_90a"``)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -339,8 +343,10 @@ def swiglu_fwd_token_kernel(
     use_nan = free and clamp_impl == "nan"
     use_b16 = free and clamp_impl == "bf16" and in_dtype == "bfloat16"
     words = widen_words and in_dtype == "bfloat16"
+    short = short_div and fast_div and in_dtype == "bfloat16" and not clamp_on  # g is a bf16 value
     prelude = (
         (DIV_FAST if fast_div else "")
+        + (DIV_SILU_BF16 if short else "")
         + (_CLAMP_COUNT if packed_cnt else "")
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
@@ -484,7 +490,7 @@ def swiglu_fwd_token_kernel(
                             if fast_div:
                                 if fast_div_ok(dm[0]):
                                     for i in T.unroll(VEC):
-                                        v[c, i] = _act(gs[i], us[i], wv[0], weighted, True)
+                                        v[c, i] = _act(gs[i], us[i], wv[0], weighted, True, short)
                                 else:
                                     for i in T.unroll(VEC):
                                         v[c, i] = _act(gs[i], us[i], wv[0], weighted, False)
@@ -827,9 +833,11 @@ def swiglu_fwd_channel_kernel(
     fast_div: bool = True,
     clamp_impl: str = "nan",
     widen_words: bool = True,
+    short_div: bool = False,
 ):
     """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
     ``clamp_impl``: see ``NAN_CLAMP_BF16``. ``widen_words``: the inputs widened through ``BF16_WORDS``.
+    ``short_div``: without a clamp, ``tk_div_silu_bf16`` instead (checked on sm_90a: callers pass ``arch == "sm_90a"``).
     The column amax is taken over the float32 activations and rounded to bf16 once, at the scale rule: the amax of
     the bf16 activations, since rounding is monotonic (``max_t RN(|x_t|) = RN(max_t |x_t|)``, NaN ignored by both
     maxima), without widening every ``a`` back for it."""
@@ -847,8 +855,10 @@ def swiglu_fwd_channel_kernel(
     out_shape = (n_out,) if transpose else (NT, H)  # transposed: flat (H * NT), row stride nt16 * 16
     use_nan = clamp_on and clamp_impl == "nan"
     use_b16 = clamp_on and clamp_impl == "bf16"
+    short = short_div and fast_div and not clamp_on  # g is a bf16 value
     prelude = (
         (DIV_FAST if fast_div else "")
+        + (DIV_SILU_BF16 if short else "")
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if widen_words else "")
@@ -922,7 +932,7 @@ def swiglu_fwd_channel_kernel(
                 if fast_div:
                     if fast_div_ok(dm[0]):
                         for i in T.unroll(VEC):
-                            put_act(a, am, r, i, _act(gs[i], us[i], None, False, True))
+                            put_act(a, am, r, i, _act(gs[i], us[i], None, False, True, short))
                     else:
                         for i in T.unroll(VEC):
                             put_act(a, am, r, i, _act(gs[i], us[i], None, False, False))
@@ -1011,6 +1021,7 @@ def swiglu_forward_and_per_token_cast_(
         pack_counts=True,
         clamp_impl=clamp_impl_for(x.dtype, clamp_value),
         widen_words=True,
+        short_div=arch_of(x.device) == "sm_90a",
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
@@ -1098,6 +1109,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         clamp_on=clamp_value is not None,
         clamp_impl=clamp_impl_for(x.dtype, clamp_value),
         widen_words=True,
+        short_div=arch_of(x.device) == "sm_90a",
         **CHANNEL_TUNING[bm],
     )
     k(
