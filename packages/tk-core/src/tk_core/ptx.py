@@ -69,7 +69,9 @@ __device__ __forceinline__ float tk_div_fast(float a, float b) {
 # without the Newton step on the reciprocal (two FMAs fewer): ``q = a * rcp.approx(b)``, then one FMA correction
 # with the unrefined reciprocal. rcp.approx is not the rounded reciprocal, so this has no general proof; but its inputs
 # are few (one ``b`` per bf16 ``a``), and ``test_gpu_div_silu_bf16`` compares every one of them with the IEEE
-# quotient on the device. Kernels take it on sm_90a only, the architecture that check runs on (H200).
+# quotient on the device. Kernels take it only on the architectures in ``DIV_SILU_BF16_ARCHS``, where that check has
+# passed (rcp.approx may differ on other chips).
+DIV_SILU_BF16_ARCHS = ("sm_90a",)  # H200
 DIV_SILU_BF16 = r"""
 __device__ __forceinline__ float tk_div_silu_bf16(float a, float b) {
   float r;

@@ -69,7 +69,17 @@ from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
-from tk_core.ptx import DIV_FAST, DIV_SILU_BF16, RCP_FAST, div_fast, div_silu_bf16, fast_div_key, fast_div_ok, rcp_fast
+from tk_core.ptx import (
+    DIV_FAST,
+    DIV_SILU_BF16,
+    DIV_SILU_BF16_ARCHS,
+    RCP_FAST,
+    div_fast,
+    div_silu_bf16,
+    fast_div_key,
+    fast_div_ok,
+    rcp_fast,
+)
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
@@ -313,7 +323,7 @@ def swiglu_fwd_token_kernel(
     counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``). ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan"
     and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: without a clamp and for bf16 inputs,
-    the fast chunks divide by ``tk_div_silu_bf16`` (checked on sm_90a: callers pass ``arch == "sm_90a"``)."""
+    the fast chunks divide by ``tk_div_silu_bf16`` (launchers: on ``tk_core.ptx.DIV_SILU_BF16_ARCHS``)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -837,7 +847,7 @@ def swiglu_fwd_channel_kernel(
 ):
     """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
     ``clamp_impl``: see ``NAN_CLAMP_BF16``. ``widen_words``: the inputs widened through ``BF16_WORDS``.
-    ``short_div``: without a clamp, ``tk_div_silu_bf16`` instead (checked on sm_90a: callers pass ``arch == "sm_90a"``).
+    ``short_div``: without a clamp, ``tk_div_silu_bf16`` instead (launchers: on ``tk_core.ptx.DIV_SILU_BF16_ARCHS``).
     The column amax is taken over the float32 activations and rounded to bf16 once, at the scale rule: the amax of
     the bf16 activations, since rounding is monotonic (``max_t RN(|x_t|) = RN(max_t |x_t|)``, NaN ignored by both
     maxima), without widening every ``a`` back for it."""
@@ -1021,7 +1031,7 @@ def swiglu_forward_and_per_token_cast_(
         pack_counts=True,
         clamp_impl=clamp_impl_for(x.dtype, clamp_value),
         widen_words=True,
-        short_div=arch_of(x.device) == "sm_90a",
+        short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
@@ -1109,7 +1119,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         clamp_on=clamp_value is not None,
         clamp_impl=clamp_impl_for(x.dtype, clamp_value),
         widen_words=True,
-        short_div=arch_of(x.device) == "sm_90a",
+        short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         **CHANNEL_TUNING[bm],
     )
     k(
