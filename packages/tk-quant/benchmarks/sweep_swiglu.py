@@ -44,7 +44,8 @@ VARIANTS = {
             "s3base": dict(pack_counts=False, clamp_impl="select", widen_words=False),
             "nowords": dict(widen_words=False),
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
-            "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division (no-clamp lines)
+            "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division, nvcc's expf
+            "longexp": dict(short_exp=False),  # nvcc's expf
         },
     ),
     "fwd_channel": (
@@ -53,7 +54,7 @@ VARIANTS = {
             "default": {},  # bm=32: 128 threads, 6 CTAs per SM, tk_div_fast
             "s3base": dict(clamp_impl="select", widen_words=False),
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
-            "longdiv": dict(short_div=False),
+            "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division
         },
     ),
     "bwd_token": (

@@ -407,8 +407,10 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
          min_blocks=10, pair_scales=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none", chunks=2,
          min_blocks=10, pair_scales=True, widen_words=True, short_div=True),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="none", chunks=2,
+         min_blocks=10, pair_scales=True, widen_words=True, short_div=True, short_exp=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=10, pair_scales=True, short_div=True),
+         min_blocks=10, pair_scales=True, short_div=True),  # the "nan" clamp: g may be no bf16 value
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          min_blocks=10, pair_scales=True),
     dict(in_dtype="float32", hidden=7168, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=2,
@@ -431,6 +433,9 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
          min_blocks=10, pair_scales=True, pack_counts=True, clamp_impl="nan", widen_words=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
          min_blocks=10, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
+         min_blocks=10, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
+         short_exp=True),
     dict(in_dtype="bfloat16", hidden=1152, group=64, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          clamp_impl="bf16", widen_words=True),
     dict(in_dtype="float32", hidden=1280, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=1,
@@ -452,15 +457,28 @@ CHAN_VARIANTS = [
          **S.CHANNEL_TUNING[32]),
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="bf16", widen_words=True,
          **S.CHANNEL_TUNING[32]),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="bf16", widen_words=True,
+         short_div=True, **S.CHANNEL_TUNING[32]),
     dict(hidden=1024, bm=128, round_sf=False, transpose=True, clamp_on=True, clamp_impl="bf16", widen_words=True),
 ]
 
 
-def _common_codegen_checks(src: str, short_div: bool = False):
+def _common_codegen_checks(src: str, short_div: bool = False, short_exp: bool = False):
     assert "__expf" not in src and "__fdividef" not in src and "__frcp" not in src, "approximate math in kernel"
     assert "expf(" in src
     assert "__NV_SATFINITE" in src or "cvt.rn.satfinite" in src
     assert (src.count("tk_div_silu_bf16(") > 1) == short_div  # definition and calls
+    assert (src.count("tk_one_plus_exp_neg_bf16(") > 1) == short_exp
+
+
+def _bf16_gates(params: dict) -> bool:
+    """Whether the forward's g is always a bf16 value: bf16 rows without a clamp, or with the clamp on the loaded
+    bf16 pairs (per-token: not where counting needs the clamp predicates, i.e. one-pass rows)."""
+    if params.get("in_dtype", "bfloat16") != "bfloat16":
+        return False
+    if params.get("clamp_mode", "clamp" if params.get("clamp_on") else "none") == "none":
+        return True
+    return params.get("clamp_impl") == "bf16" and not (params.get("clamp_mode") == "count" and params["group"] > 128)
 
 
 @pytest.mark.compile
@@ -476,8 +494,8 @@ def test_compile_forward_per_token(arch, params):
         src = S.swiglu_fwd_token_kernel.compile(arch, **params).get_kernel_source()
     else:
         src = assert_compiles(S.swiglu_fwd_token_kernel, arch, **params)
-    # the shorter SiLU division: bf16 gates without a clamp only
-    _common_codegen_checks(src, params.get("short_div", False) and params["clamp_mode"] == "none")
+    short = params.get("short_div", False) and _bf16_gates(params)
+    _common_codegen_checks(src, short, short and params.get("short_exp", False))
     assert "uint4" in src or "float4" in src  # 16-byte loads
     if params["clamp_mode"] == "count":
         assert "AtomicAdd" in src
@@ -507,7 +525,7 @@ def test_compile_backward(arch, params):
 @pytest.mark.parametrize("params", CHAN_VARIANTS, ids=lambda p: "-".join(str(v) for v in p.values()))
 def test_compile_forward_per_channel(arch, params):
     src = assert_compiles(S.swiglu_fwd_channel_kernel, arch, **params)
-    _common_codegen_checks(src, params.get("short_div", False) and not params["clamp_on"])
+    _common_codegen_checks(src, params.get("short_div", False) and _bf16_gates(params))
     if params.get("clamp_impl") == "bf16":
         assert "min.NaN.bf16x2" in src
     if params["transpose"]:

@@ -88,6 +88,35 @@ def div_silu_bf16(a, b):
     return T.call_extern("float32", "tk_div_silu_bf16", a, b)
 
 
+# ``1 + expf(-a)`` for a bf16 value ``a`` with |a| in [2**-16, 64] (``EXP_SILU_BF16_LO``), in seven instructions
+# instead of nvcc's eight. nvcc's expf(x) takes n = floor(252 * RN(x * RN(log2e / 252) + 0.5)) - 126 (one FMA with
+# saturation, one rounding down to the integer grid of 1.5 * 2**23, one FADD), then r = x * log2e - n in two FMAs
+# (log2e as float32 plus its remainder), ex2.approx(r), and 2**n from the grid value's bits shifted by 23, folded
+# into the ``+ 1``. Here the grid value is one FMA rounding down, ``x * log2e + 1.5 * 2**23 + 127``, so n is
+# floor(x * log2e); the rest is nvcc's sequence. Both n agree for every bf16 ``a`` in the range (the saturation
+# cannot act there, |x * log2e| < 93; they differ only for a in (0, 2.6e-6], where nvcc's rounding gives n = 0), so
+# the result is nvcc's bit for bit: tests/test_ptx.py checks the n of every such ``a`` in exact arithmetic on the
+# CPU, and the whole SiLU quotient against the IEEE one on the device.
+EXP_SILU_BF16_LO = (127 - 16) << 23
+EXP_SILU_BF16 = r"""
+__device__ __forceinline__ float tk_one_plus_exp_neg_bf16(float a) {
+  const float j = __fmaf_rd(-a, 1.4426950216293334961f, 12583039.0f);
+  const float n = j - 12583039.0f;
+  float r = __fmaf_rn(-a, 1.4426950216293334961f, -n);
+  r = __fmaf_rn(-a, 1.925963033500011079e-08f, r);
+  float e;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(r));
+  return __fmaf_rn(__uint_as_float(__float_as_uint(j) << 23), e, 1.0f);
+}
+"""
+
+
+def one_plus_exp_neg_bf16(a):
+    """``1 + exp(-a)`` by ``EXP_SILU_BF16`` (the kernel's prelude must contain it): nvcc's ``1.0f + expf(-a)`` bit
+    for bit for a bf16 ``a`` with |a| in [2**-16, 64] (``fast_div_ok(key, EXP_SILU_BF16_LO)``)."""
+    return T.call_extern("float32", "tk_one_plus_exp_neg_bf16", a)
+
+
 # |a| in [2**-64, 64] (zeros, larger |a|, inf and NaN take the IEEE division), tested on the float bits as
 # ``2 * bits - 2 * LO <= 2 * (HI - LO)`` in uint32 (doubling drops the sign bit): two instructions per element.
 FAST_DIV_LO = (127 - 64) << 23
@@ -100,16 +129,17 @@ def div_fast(a, b):
     return T.call_extern("float32", "tk_div_fast", a, b)
 
 
-def fast_div_key(a):
+def fast_div_key(a, lo: int = FAST_DIV_LO):
     """The uint32 whose maximum over a group of values is at most ``fast_div_ok``'s bound exactly when every one
-    of them lies in the range of ``div_fast``."""
+    of them lies in the range of ``div_fast`` (|a| in [2**-64, 64]; with ``lo``, the float bits of the lower end:
+    ``EXP_SILU_BF16_LO`` for ``one_plus_exp_neg_bf16``)."""
     bits = T.reinterpret(a, "uint32")
-    return bits + bits - T.uint32(2 * FAST_DIV_LO)
+    return bits + bits - T.uint32(2 * lo)
 
 
-def fast_div_ok(key_max):
-    """Whether the group whose ``fast_div_key`` maximum is ``key_max`` may take ``div_fast``."""
-    return key_max <= T.uint32(2 * (FAST_DIV_HI - FAST_DIV_LO))
+def fast_div_ok(key_max, lo: int = FAST_DIV_LO):
+    """Whether the group whose ``fast_div_key`` maximum (with the same ``lo``) is ``key_max`` lies in range."""
+    return key_max <= T.uint32(2 * (FAST_DIV_HI - lo))
 
 
 # 1 / b for b in [1, 2**126) (SiLU's b = 1 + exp(-u)): nvcc compiles the IEEE ``1.0f / b`` (rcp.rn.f32) to
