@@ -4,9 +4,9 @@ times the backward as the public op runs it (one variant: ``bwd[default]``).
     python3 packages/tk-engram/benchmarks/sweep_gate_conv.py [VARIANT ...]
 
 A variant is ``default`` (the op's ``gate_conv.FWD_PARAMS``) or comma-separated ``gate_conv_fwd_kernel``
-parameters that override those, e.g. ``budget=100`` (in KB), ``fast_div=0``, ``min_blocks=1``. Every variant is
+parameters that override those, e.g. ``budget=100`` (in KB), ``vecs=3``, ``min_blocks=1``. Every variant is
 compiled in parallel and run on odd shapes (d=200 fp16 with 3 taps and dilation 2, an unaligned d=1000, the same
-with conv taps large enough that most vectors take the IEEE division, T below the history, 1 token) and on the
+with conv taps so large that most |u| exceed 64, T below the history, 1 token) and on the
 anchors: its seven outputs must match ``reference.gate_conv_fwd_ref`` with the GPU-test tolerances, be
 deterministic and equal the first variant's as integers (no parameter may change a bit). Then each is timed
 (CUPTI, L2 flushed) on the benchmark shapes of bench_gate_conv.py. ``anchor`` is the measured copy bandwidth, so
@@ -26,12 +26,12 @@ from tk_engram import engram_gate_conv_bwd, reference
 from tk_engram._gate_conv_kernels import gate_conv_bwd_kernel, gate_conv_dconv_kernel, gate_conv_fwd_kernel
 from tk_engram.gate_conv import DCONV_PARAMS, FWD_PARAMS, bwd_config, bwd_roofline_bytes, fwd_roofline_bytes
 
-DEFAULT = ["default", "budget=100", "fast_div=0"]  # first = the op default
+DEFAULT = ["default", "budget=90", "planes=0"]  # first = the op default
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
     (2, 67, 200, 3, 2, torch.float16, 0.5),
     (3, 70, 1000, 4, 1, torch.bfloat16, 0.5),
-    (3, 70, 1000, 4, 1, torch.bfloat16, 40.0),  # |u| > 64 in most vectors: the IEEE division
+    (3, 70, 1000, 4, 1, torch.bfloat16, 40.0),  # |u| > 64 in most vectors
     (2, 5, 4096, 4, 3, torch.bfloat16, 0.5),
     (1, 1, 7168, 4, 1, torch.bfloat16, 0.5),
     (1, 70, 8192, 4, 2, torch.bfloat16, 0.5),

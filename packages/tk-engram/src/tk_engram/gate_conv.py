@@ -34,6 +34,10 @@ one row (32 in the forward, at 2 CTAs per SM; 64 in the backward) with whole d-r
 vectors; the conv history lives in shared memory per thread column. In the backward, rows of 4096 < d <= 8192
 (d % 16 == 0) go to a cluster of 2 CTAs per 128-token chunk, each CTA half of the columns, the per-token row
 sums exchanged through distributed shared memory.
+Numerics: float32 arithmetic (row sums in a fixed tree order); the forward's SiLU (and the sigmoid of g_u in the
+backward at 4096 < d <= 8192) comes from the hardware's approximate exp2 and reciprocal (relative error < 2**-17 for
+|u| < 64), so the outputs match the reference to about the rounding of T, not bit for bit. Runs are bitwise
+reproducible.
 Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch for the other rows wider than 4096) +
 fixed-order sums. The backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the
 reference on the GPU (same outputs to the test tolerances, deterministic, slower).
@@ -68,8 +72,11 @@ CHUNK = 64  # chain tokens per CTA in the backward
 # beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs). A cp.async ring
 # with the next 1-3 tokens' rows in flight measured no better (0.60 against 0.56 of copy at d=4096, 0.48-0.55
 # against 0.59 at d=7168): the per-token instruction count, not latency, bounds it. The kernel's defaults cut
-# that count (74 KB of float32 weights and ring in shared memory, ``tk_div_fast``); on the H200 a 100 KB budget
-# was 5-13 % slower (less L1 left for the weights read from global memory), the IEEE division 1-2 % slower, a
+# that count (74 KB of float32 weights and ring in shared memory; SiLU from ex2/rcp.approx, session 10: 0.761 /
+# 0.731 / 0.727 -> 0.80 / 0.82 / 0.83 of copy, where the precise SiLU with ``tk_div_fast`` had been 1-2 % faster
+# than the IEEE division); on the H200 a 100 KB budget
+# was 5-13 % slower (less L1 left for the weights read from global memory; with the approximate SiLU 90 KB
+# measured 1 % and 100 KB up to 9 % slower, 3 or 4 vectors per thread 3-23 %, 1 vector 0-21 %), a
 # token loop unrolled by 2 (no copy of the prefetched rows) 15 % slower at d=4096 and spilling at d=7168, and 4
 # vectors per thread slower again. The halo tokens skip the convolution and SiLU (the same bits, about 4 % fewer
 # instructions, no spill left at d=7168 on sm_90a): 0.744 / 0.733 / 0.731 of copy on the H200 at d=4096 / 7168 /
@@ -96,12 +103,14 @@ DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 def bwd_config(d: int) -> dict:
     """The backward main kernel's parameters for rows of ``d`` columns: ``split`` CTAs (a cluster) per chain chunk
     (``bwd_split``: 2 for 4096 < d <= 8192), then ``BWD_PARAMS`` by whether dconv_w is accumulated in the main
-    kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it). A cluster walks ``2 * CHUNK``
+    kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it). The cluster kernels take the
+    approximate sigmoid (``approx_sigmoid``: 0.381 -> 0.400 of copy at d=7168 on the H200; at d=4096 it measured
+    1.4 % slower, so the single-CTA kernels keep the precise one). A cluster walks ``2 * CHUNK``
     tokens, so that at 8192 tokens the clusters fill one wave as single CTAs of ``CHUNK`` tokens do (the H200 at
     d=7168: 544 us against 561 at 64 tokens and 597 at 32 per cluster; run 1 of sweep_gate_conv_bwd_s7.log)."""
     split = bwd_split(d)
     fused = fuse_dconv(d // split)
-    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, **BWD_PARAMS[fused])
+    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1, **BWD_PARAMS[fused])
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
