@@ -72,16 +72,16 @@ CHUNK = 64  # chain tokens per CTA in the backward
 # beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs). A cp.async ring
 # with the next 1-3 tokens' rows in flight measured no better (0.60 against 0.56 of copy at d=4096, 0.48-0.55
 # against 0.59 at d=7168): the per-token instruction count, not latency, bounds it. The kernel's defaults cut
-# that count (74 KB of float32 weights and ring in shared memory; SiLU from ex2/rcp.approx, session 10: 0.761 /
-# 0.731 / 0.727 -> 0.80 / 0.82 / 0.83 of copy, where the precise SiLU with ``tk_div_fast`` had been 1-2 % faster
-# than the IEEE division); on the H200 a 100 KB budget
-# was 5-13 % slower (less L1 left for the weights read from global memory; with the approximate SiLU 90 KB
-# measured 1 % and 100 KB up to 9 % slower, 3 or 4 vectors per thread 3-23 %, 1 vector 0-21 %), a
-# token loop unrolled by 2 (no copy of the prefetched rows) 15 % slower at d=4096 and spilling at d=7168, and 4
-# vectors per thread slower again. The halo tokens skip the convolution and SiLU (the same bits, about 4 % fewer
-# instructions, no spill left at d=7168 on sm_90a): 0.744 / 0.733 / 0.731 of copy on the H200 at d=4096 / 7168 /
-# 7168 dilation 3 against 0.742 / 0.726 / 0.722. Two tokens per iteration (one barrier per pair) was slower:
-# 0.680 / 0.362 / 0.363 (0.519 / 0.636 / 0.639 at 1 CTA per SM).
+# that count: 74 KB of float32 weights and ring in shared memory, and SiLU from ex2/rcp.approx (session 10: 0.761 /
+# 0.731 / 0.727 -> 0.80 / 0.82 / 0.83 of copy at d=4096 / 7168 / 7168 dilation 3; the precise SiLU had been 1-2 %
+# faster with ``tk_div_fast`` than with the IEEE division). On the H200 a 100 KB budget was 5-13 % slower (less L1
+# left for the weights read from global memory; with the approximate SiLU: 90 KB 1 %, 100 KB up to 9 %, 3 or 4
+# vectors per thread 3-23 %, 1 vector per thread 0-21 % slower), a token loop unrolled by 2 (no copy of the
+# prefetched rows) 15 % slower at d=4096 and spilling at d=7168, and 4 vectors per thread slower again. The halo
+# tokens skip the convolution and SiLU (the same bits, about 4 % fewer instructions, no spill left at d=7168 on
+# sm_90a): 0.744 / 0.733 / 0.731 of copy on the H200 at d=4096 / 7168 / 7168 dilation 3 against 0.742 / 0.726 / 0.722.
+# Two tokens per iteration (one barrier per pair) was slower: 0.680 / 0.362 / 0.363 (0.519 / 0.636 / 0.639 at 1 CTA
+# per SM).
 FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
 # Backward main kernel, 1 CTA per SM (the rings fill shared memory), keyed by whether dconv_w is accumulated in it
 # (``fuse_dconv`` of the columns per CTA). Fused (up to 4096 columns per CTA: d <= 4096, and 4096 < d <= 8192 through
