@@ -43,7 +43,8 @@ VARIANTS = {
     "nosplit": config(split_max=1),  # session 6: one CTA per chunk, 2 vectors per thread and the dconv kernel
     "split_c64": config(cluster_chunk=64),  # twice the clusters: two rounds at 8192 tokens
     "split_c32": config(cluster_chunk=32),
-    "approx": lambda d, cfg=gate_conv.bwd_config: dict(cfg(d), approx_sigmoid=True),  # ex2/rcp.approx sigmoid
+    # the approximate sigmoid at every width (the op takes it in the cluster kernels only)
+    "approx": lambda d, cfg=gate_conv.bwd_config: dict(cfg(d), approx_sigmoid=True),
 }
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
