@@ -11,7 +11,7 @@ import torch
 
 from tk_core import jit
 from tk_core.ptx import (
-    DIV_SILU_BF16,
+    DIV_FAST,
     EXP_SILU_BF16,
     EXP_SILU_BF16_LO,
     FAST_DIV_HI,
@@ -35,7 +35,7 @@ def silu_quotients():
         fast_exp: T.Tensor((N_BF16,), "float32"),
         ieee: T.Tensor((N_BF16,), "float32"),
     ):
-        with T.Kernel(N_BF16 // 256, threads=256, prelude=DIV_SILU_BF16 + EXP_SILU_BF16) as bx:
+        with T.Kernel(N_BF16 // 256, threads=256, prelude=DIV_FAST + EXP_SILU_BF16) as bx:
             i = bx * 256 + T.get_thread_binding()
             a = T.reinterpret(T.shift_left(T.cast(i, "uint32"), 16), "float32")
             b = T.float32(1) + T.exp(-a)

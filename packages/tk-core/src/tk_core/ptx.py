@@ -55,36 +55,35 @@ def cp_async_wait_all():
 # far from the subnormal and overflow ends that FCHK screens for: there ``div.rn`` returns this very sequence, so
 # the result is its IEEE quotient bit for bit. (Emulated exactly on the CPU with ``r0 = RN(1/t)``: equal to
 # ``RN(a / t)`` for every bf16 ``a`` in the range and ``t`` within an ulp of ``1 + exp(-a)``.)
+#
+# ``tk_div_silu_bf16`` (also in this prelude) is ``a / b`` for SiLU's ``b = 1 + expf(-a)`` where ``a`` is a bf16
+# value in the same range: the same quotient and correction (``tk_quotient_from_rcp``) from the unrefined reciprocal,
+# without the Newton step (two FMAs fewer). rcp.approx is not the rounded reciprocal, so this has no general proof;
+# but its inputs are few (one ``b`` per bf16 ``a``), and ``test_gpu_div_silu_bf16`` compares every one of them with
+# the IEEE quotient on the device. Kernels take it only on the architectures in ``DIV_SILU_BF16_ARCHS``, where that
+# check has passed (rcp.approx may differ on other chips).
 DIV_FAST = r"""
+__device__ __forceinline__ float tk_quotient_from_rcp(float a, float b, float r) {
+  float q = __fmaf_rn(a, r, 0.0f);
+  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+}
 __device__ __forceinline__ float tk_div_fast(float a, float b) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  r = __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r);
-  float q = __fmaf_rn(a, r, 0.0f);
-  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+  return tk_quotient_from_rcp(a, b, __fmaf_rn(r, __fmaf_rn(-b, r, 1.0f), r));
 }
-"""
-
-# ``a / b`` for SiLU's ``b = 1 + expf(-a)`` where ``a`` is a bf16 value with |a| in [2**-64, 64]: ``tk_div_fast``
-# without the Newton step on the reciprocal (two FMAs fewer): ``q = a * rcp.approx(b)``, then one FMA correction
-# with the unrefined reciprocal. rcp.approx is not the rounded reciprocal, so this has no general proof; but its inputs
-# are few (one ``b`` per bf16 ``a``), and ``test_gpu_div_silu_bf16`` compares every one of them with the IEEE
-# quotient on the device. Kernels take it only on the architectures in ``DIV_SILU_BF16_ARCHS``, where that check has
-# passed (rcp.approx may differ on other chips).
-DIV_SILU_BF16_ARCHS = ("sm_90a",)  # H200
-DIV_SILU_BF16 = r"""
 __device__ __forceinline__ float tk_div_silu_bf16(float a, float b) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
-  float q = __fmaf_rn(a, r, 0.0f);
-  return __fmaf_rn(r, __fmaf_rn(-b, q, a), q);
+  return tk_quotient_from_rcp(a, b, r);
 }
 """
+DIV_SILU_BF16_ARCHS = ("sm_90a",)  # H200
 
 
 def div_silu_bf16(a, b):
-    """``a / b`` by ``DIV_SILU_BF16`` (the kernel's prelude must contain it): the IEEE quotient for a bf16 ``a`` in
-    ``div_fast``'s range (``fast_div_ok``) and ``b = 1 + exp(-a)``, as checked on the device."""
+    """``a / b`` by ``tk_div_silu_bf16`` (the kernel's prelude must contain ``DIV_FAST``): the IEEE quotient for a
+    bf16 ``a`` in ``div_fast``'s range (``fast_div_ok``) and ``b = 1 + exp(-a)``, as checked on the device."""
     return T.call_extern("float32", "tk_div_silu_bf16", a, b)
 
 

@@ -198,7 +198,8 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     barrier, when this token's H and k are dead: the register peak stays under the cap of ``min_blocks``), and
     the n history as 16-byte vectors in shared memory.
 
-    The kernel is issue-bound, so each element takes few instructions: the bf16 helpers above; w_h**2 (the product
+    Each element takes few instructions (the kernel was issue-bound until the approximate SiLU; ncu now finds it
+    waiting on memory, PERF-NOTES session 10): the bf16 helpers above; w_h**2 (the product
     the row sum needs) and, as ``budget`` bytes of shared memory allow, the n ring (n is already rounded, so its
     float32 value is exact), w_v and the conv taps as float32 in shared memory (``fwd_smem_plan``), filled once per
     CTA: each thread reads back only the columns it wrote, so no barrier is needed; SiLU by ``SILU_APPROX`` (five

@@ -71,7 +71,8 @@ CHUNK = 64  # chain tokens per CTA in the backward
 # per-token work is a serial chain (loads, two-level reduction, barrier): halving each thread's share of it
 # beat 4 vectors by 5-28 % on the H200 (chunk 16 or 64 lose to halo reads or too few CTAs). A cp.async ring
 # with the next 1-3 tokens' rows in flight measured no better (0.60 against 0.56 of copy at d=4096, 0.48-0.55
-# against 0.59 at d=7168): the per-token instruction count, not latency, bounds it. The kernel's defaults cut
+# against 0.59 at d=7168): then the per-token instruction count, not latency, bound it (no longer since the
+# approximate SiLU: ncu in PERF-NOTES session 10, so the ring is worth measuring again). The kernel's defaults cut
 # that count: 74 KB of float32 weights and ring in shared memory, and SiLU from ex2/rcp.approx (session 10: 0.761 /
 # 0.731 / 0.727 -> 0.80 / 0.82 / 0.83 of copy at d=4096 / 7168 / 7168 dilation 3; the precise SiLU had been 1-2 %
 # faster with ``tk_div_fast`` than with the IEEE division). On the H200 a 100 KB budget was 5-13 % slower (less L1

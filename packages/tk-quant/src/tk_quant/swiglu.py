@@ -71,7 +71,6 @@ from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 from tk_core.ptx import (
     DIV_FAST,
-    DIV_SILU_BF16,
     DIV_SILU_BF16_ARCHS,
     EXP_SILU_BF16,
     EXP_SILU_BF16_LO,
@@ -366,7 +365,6 @@ def swiglu_fwd_token_kernel(
     key_lo = EXP_SILU_BF16_LO if sexp else FAST_DIV_LO
     prelude = (
         (DIV_FAST if fast_div else "")
-        + (DIV_SILU_BF16 if short else "")
         + (EXP_SILU_BF16 if sexp else "")
         + (_CLAMP_COUNT if packed_cnt else "")
         + (NAN_CLAMP if use_nan else "")
@@ -881,7 +879,6 @@ def swiglu_fwd_channel_kernel(
     short = short_div and fast_div and (not clamp_on or use_b16)  # g is a bf16 value
     prelude = (
         (DIV_FAST if fast_div else "")
-        + (DIV_SILU_BF16 if short else "")
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if widen_words else "")
