@@ -23,11 +23,12 @@ TOKENS = 8001 if GPU else 1024  # CPU references are slow on full-size inputs
 CASES = []
 
 
-def case(op: str, shape: str, exact: bool = True, package: str = "tk_core"):
-    """Registers a demo case: ``build()`` returns ``(run, reference)``, two callables returning tensors."""
+def case(op: str, shape: str, exact: bool = True, package: str = "tk_core", tol: float = 1e-5):
+    """Registers a demo case: ``build()`` returns ``(run, reference, inputs)``: two callables returning tensors,
+    compared bit for bit (``exact``) or by ``calc_diff < tol``, and the input tensors the GB/s count."""
 
     def register(build):
-        CASES.append((op, shape, exact, package, build))
+        CASES.append((op, shape, exact, tol, package, build))
         return build
 
     return register
@@ -39,11 +40,11 @@ def flatten(result) -> list[torch.Tensor]:
     return [t for item in result if item is not None for t in flatten(item)]
 
 
-def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+def same(a: torch.Tensor, b: torch.Tensor, exact: bool, tol: float) -> bool:
     if exact:
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
             a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
-    return calc_diff(a.float(), b.float()) < 1e-5
+    return a.shape == b.shape and calc_diff(a.float(), b.float()) < tol
 
 
 def timed_us(fn) -> float:
@@ -127,6 +128,75 @@ def _swiglu():
             (lambda: tk_quant.reference.swiglu_forward_and_per_token_cast(x, "e4m3", 128, round_sf=True)), (x,))
 
 
+@case("per_token_cast", f"bf16 {TOKENS}x7168 -> e5m6, 1x7168", package="tk_quant")
+def _per_token_e5m6():
+    import tk_quant
+
+    x = torch.randn(TOKENS, 7168, device=DEVICE, dtype=torch.bfloat16)
+    return ((lambda: tk_quant.per_token_cast(x, "e5m6", 7168, round_sf=True)),
+            (lambda: tk_quant.reference.cast_to_e5m6(x, 7168, round_sf=True)), (x,))
+
+
+@case("per_block_cast_lossless", f"e2m1 {TOKENS}x7168, 1x32 -> e4m3, 1x128", package="tk_quant")
+def _lossless():
+    import tk_quant
+
+    q = tk_quant.reference.cast(torch.randn(TOKENS, 7168, device=DEVICE), "e2m1", (1, 32), round_sf=True)
+    return ((lambda: tk_quant.per_block_cast_lossless(q, "e4m3", (1, 32), (1, 128))),
+            (lambda: tk_quant.reference.per_block_cast_lossless(q, "e4m3", (1, 32), (1, 128))[:2]), (q,))
+
+
+@case("per_channel_cast", f"bf16 {TOKENS}x7168 -> e4m3, 128x1", package="tk_quant")
+def _per_channel():
+    import tk_quant
+
+    x = torch.randn(TOKENS, 7168, device=DEVICE, dtype=torch.bfloat16)
+    return ((lambda: tk_quant.per_channel_cast(x, "e4m3", 128, True)),
+            (lambda: tk_quant.reference.cast(x, "e4m3", (128, 1), round_sf=True)), (x,))
+
+
+@case("per_channel_cast_and_transpose", f"bf16 {TOKENS // 32 * 32}x7168 -> e4m3 transposed, 32x1", package="tk_quant")
+def _per_channel_transpose():
+    import tk_quant
+
+    x = torch.randn(TOKENS // 32 * 32, 7168, device=DEVICE, dtype=torch.bfloat16)
+
+    def reference():
+        out, sf = tk_quant.reference.cast(x, "e4m3", (32, 1), round_sf=True)
+        return out.t().contiguous(), sf
+
+    return (lambda: tk_quant.per_channel_cast_and_transpose(x, "e4m3", 32, True)), reference, (x,)
+
+
+@case("swiglu_forward_and_per_channel_cast_and_transpose", f"bf16 {TOKENS // 32 * 32}x(2x7168) -> e4m3, 32x1",
+      package="tk_quant")
+def _swiglu_channel():
+    import tk_quant
+
+    x = torch.randn(TOKENS // 32 * 32, 2 * 7168, device=DEVICE, dtype=torch.bfloat16)
+    args = (x, "e4m3", 32, True, True, 0.5)  # round_sf, without_transpose, clamp
+    return ((lambda: tk_quant.swiglu_forward_and_per_channel_cast_and_transpose(*args)),
+            (lambda: tk_quant.reference.swiglu_forward_and_per_channel_cast_and_transpose(*args)), (x,))
+
+
+@case("swiglu_backward_and_per_token_cast", "MoE top-2 of 9 experts x 8 ranks, e4m3 x(2x7168), 1x128",
+      package="tk_quant")
+def _swiglu_backward():
+    import tk_quant
+    from tk_core.testing import generate_fused_mapping, generate_topk_idx
+
+    moe = dict(num_send_tokens=TOKENS // 2, num_topk=2, num_experts=9, num_ep_ranks=8)
+    idx = generate_topk_idx(moe, device=DEVICE)
+    _, pos_to_token_topk, token_topk_to_pos = generate_fused_mapping(idx, moe["num_experts"], 128)
+    rows = pos_to_token_topk.shape[0]
+    x = tk_quant.per_token_cast(torch.randn(rows, 2 * 7168, device=DEVICE, dtype=torch.bfloat16), "e4m3", 128)
+    grad = torch.randn(rows, 7168, device=DEVICE, dtype=torch.bfloat16)
+    weight = torch.rand(idx.shape[0], 2, device=DEVICE)
+    args = (x, grad, weight, pos_to_token_topk, token_topk_to_pos, 128, True, 0.5)
+    return ((lambda: tk_quant.swiglu_backward_and_per_token_cast(*args)),
+            (lambda: tk_quant.reference.swiglu_backward_and_per_token_cast(*args)), (x, grad, weight))
+
+
 # --- tk-engram ------------------------------------------------------------------------------------
 
 
@@ -162,16 +232,57 @@ def _engram_bwd():
 GATE_CONV_SHAPE = (2, 4096, 4096) if GPU else (1, 512, 1024)
 
 
+DECODE_SHAPE = (1, 2048, 4096)  # batch, d_mem, d
+
+
+def _gate_conv_weights(d: int):
+    """rms_w_h, rms_w_v (d,) and 4 conv taps (4, d), bf16."""
+    rw_h, rw_v = ((torch.rand(d, device=DEVICE) + 0.5).to(torch.bfloat16) for _ in range(2))
+    return rw_h, rw_v, (torch.randn(4, d, device=DEVICE) * 0.5).to(torch.bfloat16)
+
+
+def _gate_conv_inputs():
+    m, t, d = GATE_CONV_SHAPE
+    h, k, v = (torch.randn(m, t, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    return (h, k, v, *_gate_conv_weights(d))
+
+
 @case("engram_gate_conv_fwd", "bf16 M={} T={} d={}, 4 taps".format(*GATE_CONV_SHAPE), exact=False, package="tk_engram")
 def _gate_conv():
     import tk_engram
 
-    m, t, d = GATE_CONV_SHAPE
-    h, k, v = (torch.randn(m, t, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-    rw_h, rw_v = ((torch.rand(d, device=DEVICE) + 0.5).to(torch.bfloat16) for _ in range(2))
-    conv = (torch.randn(4, d, device=DEVICE) * 0.5).to(torch.bfloat16)
-    return ((lambda: tk_engram.engram_gate_conv_fwd(h, k, v, rw_h, rw_v, conv)[0]),
-            (lambda: tk_engram.reference.gate_conv_fwd_ref(h, k, v, rw_h, rw_v, conv)[0]), (h, k, v))
+    x = _gate_conv_inputs()
+    return ((lambda: tk_engram.engram_gate_conv_fwd(*x)[0]),
+            (lambda: tk_engram.reference.gate_conv_fwd_ref(*x)[0]), x[:3])
+
+
+@case("engram_gate_conv_bwd", "bf16 M={} T={} d={}, 4 taps".format(*GATE_CONV_SHAPE), exact=False, tol=1e-4,
+      package="tk_engram")
+def _gate_conv_bwd():
+    import tk_engram
+
+    x = _gate_conv_inputs()
+    stats = tk_engram.reference.gate_conv_fwd_ref(*x)[2:6]  # alpha, rrms_h, rrms_k, rrms_v (float32)
+    dy = torch.randn(x[0].shape, device=DEVICE, dtype=torch.bfloat16)
+    return ((lambda: tk_engram.engram_gate_conv_bwd(dy, *x, *stats)),
+            (lambda: tk_engram.reference.gate_conv_bwd_ref(dy, *x, *stats)), (dy, *x[:3], *stats))
+
+
+@case("engram_decode_step", "bf16 B={} d_mem={} d={}, 4 taps".format(*DECODE_SHAPE), exact=False, package="tk_engram")
+def _decode():
+    import tk_engram
+
+    b, d_mem, d = DECODE_SHAPE
+    e = torch.randn(b, d_mem, device=DEVICE, dtype=torch.bfloat16)
+    h = torch.randn(b, d, device=DEVICE, dtype=torch.bfloat16)
+    w_k, w_v = ((torch.randn(d_mem, d, device=DEVICE) / d_mem**0.5).to(torch.bfloat16) for _ in range(2))
+    weights = _gate_conv_weights(d)
+    state = torch.randn(b, 4, d, device=DEVICE, dtype=torch.bfloat16)  # the ring of n for 4 positions
+    pos = torch.full((b,), 5, device=DEVICE, dtype=torch.int32)
+    ours, theirs = state.clone(), state.clone()  # the step writes n into its ring slot in place
+    return ((lambda: (tk_engram.engram_decode_step(e, h, ours, pos, w_k, w_v, *weights), ours)),
+            (lambda: (tk_engram.reference.decode_step_ref(e, h, theirs, pos, w_k, w_v, *weights), theirs)),
+            (e, h, w_k, w_v))
 
 
 def main() -> int:
@@ -184,12 +295,12 @@ def main() -> int:
     else:
         print("no CUDA device: running the plain-PyTorch references on the CPU")
     rows, failures = [], 0
-    for op, shape, exact, package, build in CASES:
+    for op, shape, exact, tol, package, build in CASES:
         if importlib.util.find_spec(package) is None:
             continue
         run, reference, inputs = build()
         got, want = flatten(run()), flatten(reference())
-        ok = len(got) == len(want) and all(same(a, b, exact) for a, b in zip(got, want))
+        ok = len(got) == len(want) and all(same(a, b, exact, tol) for a, b in zip(got, want))
         failures += not ok
         us = timed_us(run)
         nbytes = count_bytes(inputs, got)
