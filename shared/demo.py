@@ -229,9 +229,7 @@ def _engram_bwd():
             (lambda: tk_engram.reference.engram_gate_bwd_ref(*args)[:3]), (g, x, k, v))
 
 
-GATE_CONV_SHAPE = (2, 4096, 4096) if GPU else (1, 512, 1024)
-
-
+GATE_CONV_SHAPE = (2, 4096, 4096) if GPU else (1, 512, 1024)  # M, T, d
 DECODE_SHAPE = (1, 2048, 4096)  # batch, d_mem, d
 
 
