@@ -249,9 +249,9 @@ def _gate_conv_inputs():
 def _gate_conv():
     import tk_engram
 
-    x = _gate_conv_inputs()
-    return ((lambda: tk_engram.engram_gate_conv_fwd(*x)[0]),
-            (lambda: tk_engram.reference.gate_conv_fwd_ref(*x)[0]), x[:3])
+    x = _gate_conv_inputs()  # compared and counted: Y, vhat and the four saved statistics
+    return ((lambda: tk_engram.engram_gate_conv_fwd(*x)[:6]),
+            (lambda: tk_engram.reference.gate_conv_fwd_ref(*x)[:6]), x[:3])
 
 
 @case("engram_gate_conv_bwd", "bf16 M={} T={} d={}, 4 taps".format(*GATE_CONV_SHAPE), exact=False, tol=1e-4,
