@@ -1,5 +1,6 @@
 """Benchmarks of every transpose and batched_transpose line of the anchor figures, plus a 64 MiB and a
-1 GiB case, each next to the eager reference and torch.compile(reference). Bytes: input plus output."""
+1 GiB case and three with unaligned output rows (8001 tokens), each next to the eager reference and
+torch.compile(reference). Bytes: input plus output."""
 
 import pytest
 import torch
@@ -16,6 +17,10 @@ CASES = [
     ("batched_transpose", "bf16", 8, 8064, 7168),
     ("transpose", "bf16", None, 4096, 8192),  # 64 MiB in
     ("batched_transpose", "bf16", 8, 8192, 8192),  # 1 GiB in
+    # 8001 tokens (the quant anchors' count): output rows not 16-byte aligned, the shifted stores
+    ("transpose", "e4m3", None, 8001, 7168),
+    ("transpose", "bf16", None, 8001, 7168),
+    ("batched_transpose", "bf16", 8, 8001, 7168),
 ]
 IMPLS = ["tk", "torch", "torch.compile"]
 

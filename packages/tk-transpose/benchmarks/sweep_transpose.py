@@ -2,10 +2,11 @@
 
     python3 packages/tk-transpose/benchmarks/sweep_transpose.py [spec ...]
 
-A spec is ``shared,bits,block_m,block_n,threads,ctas_per_sm`` (``transpose_shared_kernel``, 8/16-bit) or
+A spec is ``shared,bits,block_m,block_n,threads,ctas_per_sm`` (``transpose_shared_kernel``, 8/16-bit),
+``shifted,...`` (the same with ``shifted_stores``: output rows not 16-byte aligned) or
 ``register,bits,lanes_m,warps_m,warps_n,min_blocks,load_bytes`` (``transpose_kernel``). Each variant is
 compiled (in parallel), checked bit-exact against the reference on edge, strided and anchor shapes, then timed
-(CUPTI, L2 flushed) on the anchor shapes 8064x7168 and 8x8064x7168."""
+(CUPTI, L2 flushed) on the anchor shapes 8064x7168 and 8x8064x7168 (``shifted``: 8001 rows)."""
 
 import sys
 
@@ -25,14 +26,16 @@ DEFAULT = [  # the op's defaults first
 ANCHOR = {8: (3640, 3895), 16: (3909, 4098)}  # anchor GB/s: e4m3 / bf16, 2-D and batched
 DT = {8: torch.uint8, 16: torch.uint16, 32: torch.int32}  # views of raw bytes
 EDGE_CASES = [((2, 144, 250), 6), ((3, 208, 576), 16), ((1, 4032, 576), 0), ((2, 16, 4099), 13), ((1, 64, 64), 0),
-              ((2, 272, 300), 20)]
+              ((2, 272, 300), 20), ((2, 145, 250), 6), ((3, 201, 576), 16), ((1, 4031, 576), 0), ((2, 9, 4099), 13),
+              ((1, 63, 64), 0), ((2, 263, 300), 20), ((1, 8001, 1000), 0)]
 
 
 def parse(spec):
     kind, *nums = spec.split(",")
     bits, *p = map(int, nums)
-    if kind == "shared":
-        return bits, transpose_shared_kernel, dict(block_m=p[0], block_n=p[1], threads=p[2], ctas_per_sm=p[3])
+    if kind in ("shared", "shifted"):
+        return bits, transpose_shared_kernel, dict(block_m=p[0], block_n=p[1], threads=p[2], ctas_per_sm=p[3],
+                                                    shifted_stores=kind == "shifted")
     return bits, transpose_kernel, dict(mode="vector", lanes_m=p[0], warps_m=p[1], warps_n=p[2], min_blocks=p[3],
                                          load_bytes=p[4])
 
@@ -52,17 +55,19 @@ def main():
     kernels = tilelang.par_compile(funcs, target=target_of(arch_of(None)), num_workers=16,
                                    pass_configs=transpose_shared_kernel.pass_configs)
     print(f"copy {copy_bandwidth_gbps():.0f} GB/s, timer {timing_backend()}")
-    for spec, (bits, _, _), k in zip(specs, parsed, kernels):
+    for spec, (bits, _, kw), k in zip(specs, parsed, kernels):
+        mode = "vector_load" if kw.get("shifted_stores") else "vector"
+        rows = 8001 if mode == "vector_load" else 8064
         ok = True
         for shape, pad in EDGE_CASES:
             x = rand((shape[0], shape[1], shape[2] + pad), bits)[..., : shape[2]]
             out = rand((shape[0], shape[2], shape[1]), bits)
-            if _access_mode(x, out) != "vector":
+            if _access_mode(x, out) != mode:
                 continue
             run(k, x, out)
             ok &= torch.equal(out, reference.batched_transpose(x))
         res = []
-        for shape in [(1, 8064, 7168), (8, 8064, 7168)]:
+        for shape in [(1, rows, 7168), (8, rows, 7168)]:
             x = rand(shape, bits)
             out = torch.empty(shape[0], shape[2], shape[1], dtype=x.dtype, device="cuda")
             run(k, x, out)

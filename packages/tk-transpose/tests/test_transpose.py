@@ -109,6 +109,15 @@ def test_shared_kernel_compiles(arch, elem_bits):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("elem_bits", [8, 16])
+def test_shared_kernel_with_shifted_stores_compiles(arch, elem_bits):
+    src = assert_compiles(transpose_shared_kernel, arch, elem_bits=elem_bits, shifted_stores=True)
+    # The definition and the interior tiles' stores (edge tiles store elements); no aligned-row store is left.
+    assert src.count("tk_store_shifted_row_chunk(") == 2 and "tk_st_global_v4(" not in src
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("elem_bits", [8, 16, 32])
 def test_kernel_compiles_with_8_byte_loads(elem_bits):
     src = assert_compiles(transpose_kernel, "sm_90a", elem_bits=elem_bits, mode="vector", load_bytes=8)
@@ -118,9 +127,10 @@ def test_kernel_compiles_with_8_byte_loads(elem_bits):
 # --- gpu tier -------------------------------------------------------------------------------------
 
 # Interior and edge tiles of both kernels: partial tiles in rows and columns, a partial 16-byte input chunk at a
-# row's end (N = 300), unaligned output rows (M = 7, 129: the register kernel).
+# row's end (N = 300), output rows not 16-byte aligned (M = 7, 129, 1001, 263: shifted stores; fp32 the register
+# kernel), every misalignment of a row start (M = 1001 with 8- and 16-bit elements).
 GPU_SHAPES = [(1, 1, 1), (1, 64, 64), (3, 100, 37), (2, 129, 257), (1, 4032, 576), (8, 256, 7168), (2, 7, 4099),
-              (2, 272, 300), (1, 384, 1024)]
+              (2, 272, 300), (1, 384, 1024), (2, 1001, 520), (3, 263, 300)]
 
 
 @pytest.mark.gpu
@@ -151,6 +161,20 @@ def test_misaligned_base_pointer_and_size_one_dims():
     assert_equal(batched_transpose(x), reference.batched_transpose(x))
     col = random_tensor((5, 1000, 1), torch.float32, "cuda")
     assert_equal(batched_transpose(col), reference.batched_transpose(col))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("offset", [1, 3])
+def test_misaligned_output_pointer(dtype, offset):
+    """``out`` a contiguous view that starts ``offset`` elements after a 16-byte boundary (aligned ``M``)."""
+    x = random_tensor((2, 384, 520), dtype, "cuda")
+    buf = random_tensor((2 * 520 * 384 + offset,), dtype, "cuda")
+    head = buf[:offset].clone()
+    out = buf[offset:].view(2, 520, 384)
+    batched_transpose(x, out=out)
+    assert_equal(out, reference.batched_transpose(x))
+    assert_equal(buf[:offset], head)  # the bytes before out are left alone
 
 
 @pytest.mark.gpu

@@ -7,15 +7,17 @@ dtype of ``SUPPORTED_DTYPES`` works and NaN payloads and signed zeros are preser
 Shapes and layouts: any ``B, M, N >= 0`` (edge tiles are handled); any batch stride and row stride;
 the last dimension must have unit stride. Empty inputs return an empty output without a launch.
 
-Kernels: 8- and 16-bit elements whose input rows, batches and output rows are 16-byte aligned go through
-shared memory (``transpose_shared_kernel``): cp.async copies of the tile in, a register transpose of 16-byte
-square units with byte permutes, 16-byte stores out; a warp reads and writes runs of at least 128 contiguous
-bytes. The others use ``transpose_kernel``, which has no shared memory and no barrier: each thread moves one
-square ``v x v`` unit (``v`` elements of 16 bytes) with ``v`` 16-byte row loads, the register transpose and
-``v`` 16-byte column stores, lanes arranged so that both sides are coalesced (4 lanes down the rows fill 64
-contiguous bytes of an output row, 8 along the columns 128 of an input row). When the row or batch stride or
-the input address is not 16-byte aligned, its accesses are scalar; when only ``M`` (the output row stride) or
-the output address is, the loads stay vectors and the stores are scalar. Both grids are one-dimensional over
+Kernels: 8- and 16-bit elements whose input rows and batches are 16-byte aligned go through shared memory
+(``transpose_shared_kernel``): cp.async copies of the tile in, a register transpose of 16-byte square units with
+byte permutes, 16-byte stores out; a warp reads and writes runs of at least 128 contiguous bytes. When the output
+rows are not 16-byte aligned (``M`` not a multiple of ``16 / element size``, or a misaligned ``out``), the same
+kernel shifts each row's chunks onto the output's 16-byte grid by shuffles (``shifted_stores``). 32-bit elements,
+and inputs with unaligned strides or address, use ``transpose_kernel``, which has no shared memory and no
+barrier: each thread moves one square ``v x v`` unit (``v`` elements of 16 bytes) with ``v`` 16-byte row loads,
+the register transpose and ``v`` 16-byte column stores, lanes arranged so that both sides are coalesced (4 lanes
+down the rows fill 64 contiguous bytes of an output row, 8 along the columns 128 of an input row). When the row
+or batch stride or the input address is not 16-byte aligned, its accesses are scalar; when only the output rows
+are, the loads stay vectors and the stores are scalar. Both grids are one-dimensional over
 ``B x ceil(M/bm) x ceil(N/bn)`` tiles, rows first, so no grid dimension limits the sizes.
 
 Errors: ``TypeError`` for a non-tensor or an unsupported dtype; ``ValueError`` for the wrong number of
@@ -61,7 +63,81 @@ _SHARED_TUNING = {
     8: dict(block_m=128, block_n=256, threads=128, ctas_per_sm=5),
     16: dict(block_m=128, block_n=128, threads=256, ctas_per_sm=3),
 }
+# The same kernel with shifted stores (output rows not 16-byte aligned), tuned at 8001 x 7168 and 8 x 8001 x 7168
+# (`sweep_transpose.py` shifted,...): bf16 3,077 / 3,212 GB/s; e4m3 256 x 256 at 2 CTAs (122 registers) 2,353 /
+# 2,943, where 128 x 256 at 4 took 1,700 / 1,913 (a row piece of 8 chunks: twice the ends per byte).
+_SHIFTED_TUNING = {
+    8: dict(block_m=256, block_n=256, threads=256, ctas_per_sm=2),
+    16: dict(block_m=128, block_n=128, threads=256, ctas_per_sm=3),
+}
 _SHARED_KB_PER_SM = 228  # sm_90 and sm_100; the driver reserves 1 KB per CTA
+
+
+# Stores of output rows that do not start on a 16-byte boundary (``M`` not a multiple of ``16 / element size``),
+# interior tiles: the ``seg`` lanes of a segment hold the 16-byte chunks 0 .. seg-1 of one output row piece
+# (``row``: 16 seg bytes, element-aligned); ``u`` bytes come before the row's first 16-byte boundary. Lane ``k``
+# takes chunk ``k - 1`` (lane 0: chunk seg-1) by a shuffle; bytes u .. u+15 of the two chunks are the aligned
+# 16 bytes at ``row + u - 16 + 16 k``, one vector store for ``k > 0``. Lane 0's are the piece's last ``16 - u``
+# bytes followed by its first ``u``: it stores them as naturally aligned 1/2/4/8-byte pieces. All lanes of the
+# warp must call it (shuffles).
+SHIFTED_ROW_STORE = r"""
+__device__ __forceinline__ unsigned tk_word_at(unsigned r0, unsigned r1, unsigned r2, unsigned r3, int w) {
+  return (w & 2) ? ((w & 1) ? r3 : r2) : ((w & 1) ? r1 : r0);
+}
+// Bytes [o, o + size) of the 16 bytes d (o a multiple of size) to dst + o.
+__device__ __forceinline__ void tk_store_piece(char* dst, const unsigned* d, int o, int size) {
+  const unsigned w = tk_word_at(d[0], d[1], d[2], d[3], o >> 2);
+  if (size == 8) {
+    *reinterpret_cast<uint2*>(dst + o) = (o & 8) ? make_uint2(d[2], d[3]) : make_uint2(d[0], d[1]);
+  } else if (size == 4) {
+    *reinterpret_cast<unsigned*>(dst + o) = w;
+  } else if (size == 2) {
+    *reinterpret_cast<unsigned short*>(dst + o) = static_cast<unsigned short>(w >> ((o & 2) * 8));
+  } else {
+    *reinterpret_cast<unsigned char*>(dst + o) = static_cast<unsigned char>(w >> ((o & 3) * 8));
+  }
+}
+__device__ __forceinline__ void tk_store_shifted_row_chunk(void* row_ptr, int seg, int es, unsigned a0, unsigned a1,
+                                                           unsigned a2, unsigned a3) {
+  char* row = static_cast<char*>(row_ptr);
+  const int lane = threadIdx.x & 31;
+  const int k = lane % seg;
+  const int u = (16 - static_cast<int>(reinterpret_cast<size_t>(row) & 15)) & 15;
+  const int src = lane + (k == 0 ? seg - 1 : -1);
+  const unsigned c[8] = {__shfl_sync(0xffffffffu, a0, src), __shfl_sync(0xffffffffu, a1, src),
+                         __shfl_sync(0xffffffffu, a2, src), __shfl_sync(0xffffffffu, a3, src), a0, a1, a2, a3};
+  unsigned t[6], s[5], d[4];  // d: bytes u .. u+15 of c
+#pragma unroll
+  for (int i = 0; i < 6; ++i) t[i] = (u & 8) ? c[i + 2] : c[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) s[i] = (u & 4) ? t[i + 1] : t[i];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = __funnelshift_r(s[i], s[i + 1], (u & 3) * 8);
+  // d's first 16 - u bytes are the piece's last ones (at the aligned row + 16 seg - 16 + u), its last u bytes the
+  // piece's first ones (row + u - 16 + [16 - u, 16)): from the low end, pieces of decreasing size, then increasing.
+  char* tail = row + 16 * seg - 16 + u;
+  if (k > 0 || u == 0) {  // u == 0: lane 0 holds the whole last chunk
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(k > 0 ? row + u - 16 + 16 * k : tail),
+                 "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]));
+    return;
+  }
+  int o = 0;
+#pragma unroll
+  for (int size = 8; size >= es; size /= 2) {
+    if ((16 - u) & size) {
+      tk_store_piece(tail, d, o, size);
+      o += size;
+    }
+  }
+#pragma unroll
+  for (int size = es; size <= 8; size *= 2) {
+    if (u & size) {
+      tk_store_piece(row + u - 16, d, o, size);
+      o += size;
+    }
+  }
+}
+"""
 
 
 def _byte_perm(a, b, selector: int):
@@ -200,9 +276,11 @@ def transpose_shared_kernel(
     block_n: int | None = None,
     threads: int | None = None,
     ctas_per_sm: int | None = None,
+    shifted_stores: bool = False,
 ):
-    """``out[b, j, i] = x[b, i, j]`` on raw 8- or 16-bit words whose input rows, batches and output rows are
-    16-byte aligned (the ``"vector"`` mode of ``transpose_kernel``), through shared memory.
+    """``out[b, j, i] = x[b, i, j]`` on raw 8- or 16-bit words whose input rows and batches are 16-byte aligned,
+    through shared memory. The output rows are 16-byte aligned too (the ``"vector"`` mode of
+    ``transpose_kernel``), or not, with ``shifted_stores`` (``"vector_load"``).
 
     A CTA moves a ``block_m x block_n`` tile. Its 16-byte input chunks go to shared memory by cp.async,
     consecutive lanes on consecutive chunks of a row, so a warp reads at least 128 contiguous bytes and holds
@@ -213,9 +291,14 @@ def transpose_shared_kernel(
     ``r`` lives at chunk ``c ^ (r / v % 8)`` of its shared row: the 8 lanes of each phase of a 16-byte shared
     access hit distinct bank groups on both sides. Edge tiles predicate each chunk (a partial input chunk
     is copied element by element); interior tiles run without a test. The shared allocation is padded so
-    that ``ctas_per_sm`` CTAs fit on an SM. Parameters default to ``_SHARED_TUNING``.
+    that ``ctas_per_sm`` CTAs fit on an SM. Parameters default to ``_SHARED_TUNING`` (``_SHIFTED_TUNING``).
+
+    ``shifted_stores``: the lanes of a unit column (``block_m / v`` consecutive lanes) hold the chunks of the same
+    output rows, in order; on interior tiles ``SHIFTED_ROW_STORE`` shifts each row's chunks by a shuffle onto the
+    16-byte grid of the output, so the stores stay 16-byte vectors but for one lane's 8/4/2/1-byte pieces at the
+    row piece's two ends. Edge tiles store element by element.
     """
-    tuning = _SHARED_TUNING[elem_bits]
+    tuning = (_SHIFTED_TUNING if shifted_stores else _SHARED_TUNING)[elem_bits]
     block_m = block_m or tuning["block_m"]
     block_n = block_n or tuning["block_n"]
     threads = threads or tuning["threads"]
@@ -228,6 +311,7 @@ def transpose_shared_kernel(
     loads = block_m * row_chunks // threads
     units = row_chunks * col_chunks // threads
     assert row_chunks % 8 == 0 and col_chunks % 8 == 0, "the swizzle needs 8 chunks both ways"
+    assert not shifted_stores or 32 % col_chunks == 0, "a unit column's lanes must lie in one warp"
     assert loads * threads == block_m * row_chunks and units * threads == row_chunks * col_chunks
     smem = max(block_m * block_n, (_SHARED_KB_PER_SM // ctas_per_sm - 2) * 1024 * 8 // elem_bits)
     B, M, N = T.dynamic("B M N")
@@ -253,12 +337,12 @@ def transpose_shared_kernel(
                         S[dst + e] = x[b, m0 + row, col + e]
 
     @T.macro
-    def store_tile(out, S, b, m0, n0, tx, block, rows, cols, edge: bool):
+    def store_tile(out, S, b, m0, n0, tx, block, rows, cols, col_elems, edge: bool):
         for q in T.unroll(units):
             w = tx + q * threads
             unit_row = w % col_chunks
             unit_col = w // col_chunks
-            r0 = m0 + unit_row * v  # the unit's first input row (M % v == 0: all v rows or none exist)
+            r0 = m0 + unit_row * v  # the unit's first input row
             c0 = n0 + unit_col * v
             if not edge or r0 < M:
                 for i in T.unroll(v):
@@ -268,34 +352,54 @@ def transpose_shared_kernel(
                     for g in T.unroll(4):
                         _transpose_words(rows, k, g, p, cols)
                     for t in T.unroll(p):
-                        if not edge or c0 + k * p + t < N:
-                            st_global_v4(T.address_of(out[b, c0 + k * p + t, r0]), cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3])
+                        c = c0 + k * p + t
+                        if shifted_stores and not edge:
+                            T.call_extern(
+                                "handle",
+                                "tk_store_shifted_row_chunk",
+                                T.address_of(out[b, c, m0]),
+                                col_chunks,
+                                elem_bits // 8,
+                                cols[t, 0],
+                                cols[t, 1],
+                                cols[t, 2],
+                                cols[t, 3],
+                            )
+                        elif shifted_stores:  # edge tiles (few): element by element
+                            for e in T.unroll(v):
+                                if c < N and r0 + e < M:
+                                    out[b, c, r0 + e] = col_elems[t, e]
+                        elif not edge or c < N:
+                            st_global_v4(T.address_of(out[b, c, r0]), cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3])
 
     @T.prim_func
     def main(x: T.StridedTensor((B, M, N), (sb, sm, 1), dtype), out: T.Tensor((B, N, M), dtype)):
         tiles_m = T.ceildiv(M, block_m)
         tiles_n = T.ceildiv(N, block_n)
-        with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=CP_ASYNC + ST_GLOBAL_V4) as tile_id:
+        prelude = CP_ASYNC + (SHIFTED_ROW_STORE if shifted_stores else ST_GLOBAL_V4)
+        with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=prelude) as tile_id:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
             T.assume(sm % v == 0)
             T.assume(sb % v == 0)
-            T.assume(M % v == 0)
+            if not shifted_stores:
+                T.assume(M % v == 0)
             tx = T.get_thread_binding()
             b, m0, n0 = _tile_origin(tile_id, tiles_m, tiles_n, block_m, block_n)
             S = T.alloc_shared((smem,), dtype)
             block = T.alloc_local((v, v), dtype)
             rows = T.view(block, (v, 4), "uint32")  # each unit row as words
             cols = T.alloc_local((p, 4), "uint32")  # the 4 words of p output chunks
+            col_elems = T.view(cols, (p, v), dtype)
             if m0 + block_m <= M and n0 + block_n <= N:
                 load_tile(x, S, b, m0, n0, tx, False)
                 cp_async_wait_all()
                 T.sync_threads()
-                store_tile(out, S, b, m0, n0, tx, block, rows, cols, False)
+                store_tile(out, S, b, m0, n0, tx, block, rows, cols, col_elems, False)
             else:
                 load_tile(x, S, b, m0, n0, tx, True)
                 cp_async_wait_all()
                 T.sync_threads()
-                store_tile(out, S, b, m0, n0, tx, block, rows, cols, True)
+                store_tile(out, S, b, m0, n0, tx, block, rows, cols, col_elems, True)
 
     return main
 
@@ -318,8 +422,8 @@ def _batched_transpose_op(x: torch.Tensor, out: torch.Tensor) -> None:
     # A size-1 last dimension may carry any stride; the kernel's signature wants 1.
     xb = xb.as_strided(xb.shape, (xb.stride(0), xb.stride(1), 1))
     bits, mode = 8 * x.element_size(), _access_mode(xb, ob)
-    if bits < 32 and mode == "vector":
-        k = transpose_shared_kernel.get(x.device, elem_bits=bits)
+    if bits < 32 and mode != "scalar":  # "vector_load": output rows not 16-byte aligned
+        k = transpose_shared_kernel.get(x.device, elem_bits=bits, shifted_stores=mode == "vector_load")
     else:
         k = transpose_kernel.get(x.device, elem_bits=bits, mode=mode)
     k(xb, ob)
