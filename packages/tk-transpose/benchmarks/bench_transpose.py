@@ -1,5 +1,5 @@
 """Benchmarks of every transpose and batched_transpose line of the anchor figures, plus a 64 MiB and a
-1 GiB case and three with unaligned output rows (8001 tokens), each next to the eager reference and
+1 GiB case and four with unaligned output rows (8001 tokens), each next to the eager reference and
 torch.compile(reference). Bytes: input plus output."""
 
 import pytest
@@ -21,6 +21,7 @@ CASES = [
     ("transpose", "e4m3", None, 8001, 7168),
     ("transpose", "bf16", None, 8001, 7168),
     ("batched_transpose", "bf16", 8, 8001, 7168),
+    ("transpose", "fp32", None, 8001, 7168),
 ]
 IMPLS = ["tk", "torch", "torch.compile"]
 

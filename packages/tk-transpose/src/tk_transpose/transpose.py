@@ -7,18 +7,17 @@ dtype of ``SUPPORTED_DTYPES`` works and NaN payloads and signed zeros are preser
 Shapes and layouts: any ``B, M, N >= 0`` (edge tiles are handled); any batch stride and row stride;
 the last dimension must have unit stride. Empty inputs return an empty output without a launch.
 
-Kernels: 8- and 16-bit elements whose input rows and batches are 16-byte aligned go through shared memory
+Kernels: inputs whose row and batch strides and address are 16-byte aligned go through shared memory
 (``transpose_shared_kernel``): cp.async copies of the tile in, a register transpose of 16-byte square units with
 byte permutes, 16-byte stores out; a warp reads and writes runs of at least 128 contiguous bytes. When the output
-rows are not 16-byte aligned (``M`` not a multiple of ``16 / element size``, or a misaligned ``out``), the same
-kernel shifts each row's chunks onto the output's 16-byte grid by shuffles (``shifted_stores``). 32-bit elements,
-and inputs with unaligned strides or address, use ``transpose_kernel``, which has no shared memory and no
-barrier: each thread moves one square ``v x v`` unit (``v`` elements of 16 bytes) with ``v`` 16-byte row loads,
-the register transpose and ``v`` 16-byte column stores, lanes arranged so that both sides are coalesced (4 lanes
-down the rows fill 64 contiguous bytes of an output row, 8 along the columns 128 of an input row). When the row
-or batch stride or the input address is not 16-byte aligned, its accesses are scalar; when only the output rows
-are, the loads stay vectors and the stores are scalar. Both grids are one-dimensional over
-``B x ceil(M/bm) x ceil(N/bn)`` tiles, rows first, so no grid dimension limits the sizes.
+rows are not 16-byte aligned (``M`` not a multiple of ``16 / element size``, or a misaligned ``out``), the kernel
+shifts each row's chunks onto the output's 16-byte grid by shuffles (``shifted_stores``). 32-bit elements with
+aligned output rows, and inputs with unaligned strides or address, use ``transpose_kernel``, which has no shared
+memory and no barrier: each thread moves one square ``v x v`` unit (``v`` elements of 16 bytes) with ``v``
+16-byte row loads, the register transpose and ``v`` 16-byte column stores, lanes arranged so that both sides are
+coalesced (4 lanes down the rows fill 64 contiguous bytes of an output row, 8 along the columns 128 of an input
+row); unaligned inputs get an element-wise copy. Both grids are one-dimensional over ``B x ceil(M/bm) x
+ceil(N/bn)`` tiles, rows first, so no grid dimension limits the sizes.
 
 Errors: ``TypeError`` for a non-tensor or an unsupported dtype; ``ValueError`` for the wrong number of
 dimensions, a non-unit last stride, a CPU/CUDA mix, or a bad ``out``.
@@ -64,11 +63,14 @@ _SHARED_TUNING = {
     16: dict(block_m=128, block_n=128, threads=256, ctas_per_sm=3),
 }
 # The same kernel with shifted stores (output rows not 16-byte aligned), tuned at 8001 x 7168 and 8 x 8001 x 7168
-# (`sweep_transpose.py` shifted,...): bf16 3,077 / 3,212 GB/s; e4m3 256 x 256 at 2 CTAs (122 registers) 2,353 /
-# 2,943, where 128 x 256 at 4 took 1,700 / 1,913 (a row piece of 8 chunks: twice the ends per byte).
+# (`sweep_transpose.py` shifted,...). Row pieces of 32 chunks (a warp per output row piece) halve the ends per
+# byte against 16: bf16 256 x 64 3,586 / 3,835 GB/s against 3,069 / 3,215 at 128 x 128. e4m3 keeps 16 chunks
+# (256 x 256 at 2 CTAs, 122 registers: 2,432 / 2,957; 512 x 128 1,998 / 2,898; 128 x 256 at 4 1,700 / 1,913).
+# fp32 128 x 64: 3,898 / 4,017.
 _SHIFTED_TUNING = {
     8: dict(block_m=256, block_n=256, threads=256, ctas_per_sm=2),
-    16: dict(block_m=128, block_n=128, threads=256, ctas_per_sm=3),
+    16: dict(block_m=256, block_n=64, threads=256, ctas_per_sm=3),
+    32: dict(block_m=128, block_n=64, threads=256, ctas_per_sm=3),
 }
 _SHARED_KB_PER_SM = 228  # sm_90 and sm_100; the driver reserves 1 KB per CTA
 
@@ -190,9 +192,8 @@ def transpose_kernel(
 ):
     """``out[b, j, i] = x[b, i, j]`` on raw ``elem_bits``-wide words.
 
-    ``mode`` says which accesses may be 16-byte vectors: ``"vector"`` (loads and stores), ``"vector_load"``
-    (the output row stride ``M`` is unaligned: scalar stores) or ``"scalar"`` (the input strides are
-    unaligned: a plain element-wise copy). The tuning parameters default to ``_TUNING``.
+    ``mode``: ``"vector"`` (16-byte loads and stores: the input strides and ``M`` are multiples of 16 bytes) or
+    ``"scalar"`` (a plain element-wise copy). The tuning parameters default to ``_TUNING``.
 
     A thread owns a unit of ``v`` rows (``v = 128 / elem_bits``, 16 bytes of an output row) by ``load_bytes``
     (16 or 8) bytes of columns: it loads its ``v`` row pieces as vectors, all in flight at once, turns each
@@ -200,7 +201,7 @@ def transpose_kernel(
     per 4 x 4 bytes, 2 per 2 x 2 halves, none for 32-bit), and writes one 16-byte store per column. ``lanes_m`` lanes of a warp go down the
     unit rows (so a warp's store covers ``lanes_m x 16`` contiguous bytes of ``32 / lanes_m`` output rows)
     and the others along the columns; ``warps_m x warps_n`` warps make the CTA tile. Units on the right
-    edge (``N``) or, in ``"vector_load"`` mode, the bottom edge (``M``) copy element by element.
+    edge (``N``) copy element by element.
     """
     tuning = _TUNING[elem_bits]
     lanes_m = lanes_m or tuning["lanes_m"]
@@ -229,10 +230,9 @@ def transpose_kernel(
         with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=ST_GLOBAL_V4) as tile_id:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
-            if mode != "scalar":  # the host picks the variant only when these hold
+            if mode == "vector":  # the host picks the variant only when these hold
                 T.assume(sm % v == 0)
                 T.assume(sb % v == 0)
-            if mode == "vector":
                 T.assume(M % v == 0)
             # Truncating division: every operand is non-negative, and it lowers to plain 32-bit / and %.
             tx = T.get_thread_binding()
@@ -244,20 +244,15 @@ def transpose_kernel(
             block = T.alloc_local((v, uc), dtype)
             rows = T.view(block, (v, words), "uint32")  # each row piece as words
             cols = T.alloc_local((p, 4), "uint32")  # the 4 words of p output row segments
-            if mode != "scalar" and r0 + v <= M and c0 + uc <= N:
+            if mode == "vector" and r0 + v <= M and c0 + uc <= N:
                 for i in T.unroll(v):
                     for j in T.vectorized(uc):
                         block[i, j] = x[b, r0 + i, c0 + j]
-                if mode == "vector":
-                    for k in T.unroll(words):
-                        for g in T.unroll(4):
-                            _transpose_words(rows, k, g, p, cols)
-                        for t in T.unroll(p):
-                            st_global_v4(T.address_of(out[b, c0 + k * p + t, r0]), cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3])
-                else:
-                    for j in T.unroll(uc):
-                        for i in T.unroll(v):
-                            out[b, c0 + j, r0 + i] = block[i, j]
+                for k in T.unroll(words):
+                    for g in T.unroll(4):
+                        _transpose_words(rows, k, g, p, cols)
+                    for t in T.unroll(p):
+                        st_global_v4(T.address_of(out[b, c0 + k * p + t, r0]), cols[t, 0], cols[t, 1], cols[t, 2], cols[t, 3])
             elif r0 < M and c0 < N:
                 for j in T.serial(T.min(N - c0, uc)):
                     for i in T.unroll(v):
@@ -278,9 +273,9 @@ def transpose_shared_kernel(
     ctas_per_sm: int | None = None,
     shifted_stores: bool = False,
 ):
-    """``out[b, j, i] = x[b, i, j]`` on raw 8- or 16-bit words whose input rows and batches are 16-byte aligned,
-    through shared memory. The output rows are 16-byte aligned too (the ``"vector"`` mode of
-    ``transpose_kernel``), or not, with ``shifted_stores`` (``"vector_load"``).
+    """``out[b, j, i] = x[b, i, j]`` on raw words whose input rows and batches are 16-byte aligned, through
+    shared memory: 8- and 16-bit elements whose output rows are 16-byte aligned too (32-bit ones take
+    ``transpose_kernel`` there), and every width with ``shifted_stores`` where they are not.
 
     A CTA moves a ``block_m x block_n`` tile. Its 16-byte input chunks go to shared memory by cp.async,
     consecutive lanes on consecutive chunks of a row, so a warp reads at least 128 contiguous bytes and holds
@@ -298,7 +293,7 @@ def transpose_shared_kernel(
     16-byte grid of the output, so the stores stay 16-byte vectors but for one lane's 8/4/2/1-byte pieces at the
     row piece's two ends. Edge tiles store element by element.
     """
-    tuning = (_SHIFTED_TUNING if shifted_stores else _SHARED_TUNING)[elem_bits]
+    tuning = (_SHIFTED_TUNING if shifted_stores else _SHARED_TUNING).get(elem_bits, {})
     block_m = block_m or tuning["block_m"]
     block_n = block_n or tuning["block_n"]
     threads = threads or tuning["threads"]
@@ -422,7 +417,7 @@ def _batched_transpose_op(x: torch.Tensor, out: torch.Tensor) -> None:
     # A size-1 last dimension may carry any stride; the kernel's signature wants 1.
     xb = xb.as_strided(xb.shape, (xb.stride(0), xb.stride(1), 1))
     bits, mode = 8 * x.element_size(), _access_mode(xb, ob)
-    if bits < 32 and mode != "scalar":  # "vector_load": output rows not 16-byte aligned
+    if mode == "vector_load" or (mode == "vector" and bits < 32):  # "vector_load": output rows unaligned
         k = transpose_shared_kernel.get(x.device, elem_bits=bits, shifted_stores=mode == "vector_load")
     else:
         k = transpose_kernel.get(x.device, elem_bits=bits, mode=mode)
