@@ -42,6 +42,7 @@ VARIANTS = {
     "default": {},  # 16 values x 4 rows per thread, 3 CTAs per SM
     "mb4": dict(min_blocks=4),
     "p2mb5": dict(passes=2, min_blocks=5),  # 45 registers (1 x 128, 32 x 32)
+    "tiles": dict(grid="tiles"),  # the default kernel launched with one CTA (and error slot) per tile
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -59,6 +60,7 @@ ODD = [(576, ob, pk, (False, False)) for ob, pk, _ in LINES] + [
 
 def params(h, ob, packed, in_packed, over):
     """Kernel parameters as ``per_block_cast_lossless_`` passes them, with ``over`` on top."""
+    over = {key: val for key, val in over.items() if key != "grid"}
     passes = over.get("passes") or PASSES
     seg = over.get("seg") or SEG
     mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
@@ -77,8 +79,9 @@ def fp4_input(t, h, in_sf=(False, False), bad=False):
     return xq
 
 
-def case(k, p, xq):
-    """(fn, ok_fn, nbytes): the kernel on ``xq`` and its bit-exact check (data, SF, error count)."""
+def case(k, p, xq, grid=None):
+    """(fn, ok_fn, nbytes): the kernel on ``xq`` and its bit-exact check (data, SF, error count). ``grid="tiles"``:
+    one CTA per tile instead of the persistent grid."""
     data, sf_in = xq
     t, h, ob, packed = data.shape[0], p["hidden"], (p["bm_out"], p["bk_out"]), p["layout"] == "packed"
     out = torch.full((t, h), 0x7F, dtype=torch.uint8, device="cuda")
@@ -88,7 +91,8 @@ def case(k, p, xq):
     bk, tpr, rows = _tile(*ob, p["passes"], p["seg"])
     ntiles = ceil_div(h, bk) * ceil_div(t, THREADS // tpr * rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    err = torch.full((min(ntiles, sms * p["min_blocks"]),), -1, dtype=torch.int32, device="cuda")
+    ctas = ntiles if grid == "tiles" else min(ntiles, sms * p["min_blocks"])
+    err = torch.full((ctas,), -1, dtype=torch.int32, device="cuda")
     sf_flat, s0, s1 = _sf_flat(sf_in)
     fn = lambda: k(data.view(torch.int32), sf_flat, out.view(torch.uint32), flat, err, s0, s1)  # noqa: E731
 
@@ -101,8 +105,8 @@ def case(k, p, xq):
     return fn, ok_fn, nbytes
 
 
-def checked(k, p, xq):
-    fn, ok_fn, _ = case(k, p, xq)
+def checked(k, p, xq, grid=None):
+    fn, ok_fn, _ = case(k, p, xq, grid)
     fn()
     return ok_fn()
 
@@ -187,7 +191,8 @@ def main():
             name = f"lossless {ob[0]}x{ob[1]}{' packed' if pk else ''}"
             try:
                 k, p = ks[(s, i)]
-                ok = all(checked(k, p, xq) for xq in (*small.values(), bad_in))
+                grid = VARIANTS[s].get("grid")
+                ok = all(checked(k, p, xq, grid) for xq in (*small.values(), bad_in))
                 if s == first and i == 0:
                     for j, (h, ob2, pk2, in_sf) in enumerate(ODD):
                         kx, px = ks[(s, f"x{j}")]
@@ -196,7 +201,7 @@ def main():
                             if not good:
                                 print(f"{s:>8} odd h={h} {ob2} packed={pk2} in_sf={in_sf} t={t} ok=False", flush=True)
                             ok &= good
-                fn, ok_fn, nbytes = case(k, p, anchor_in)
+                fn, ok_fn, nbytes = case(k, p, anchor_in, grid)
                 fn()
                 ok &= ok_fn()
                 us = device_time_us(fn)
