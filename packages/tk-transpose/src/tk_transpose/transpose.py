@@ -81,7 +81,7 @@ _SHARED_KB_PER_SM = 228  # sm_90 and sm_100; the driver reserves 1 KB per CTA
 # takes chunk ``k - 1`` (lane 0: chunk seg-1) by a shuffle; bytes u .. u+15 of the two chunks are the aligned
 # 16 bytes at ``row + u - 16 + 16 k``, one vector store for ``k > 0``. Lane 0's are the piece's last ``16 - u``
 # bytes followed by its first ``u``: it stores them as naturally aligned 1/2/4/8-byte pieces. All lanes of the
-# warp must call it (shuffles).
+# warp must call it (shuffles). Needs ``ST_GLOBAL_V4`` before it in the prelude.
 SHIFTED_ROW_STORE = r"""
 __device__ __forceinline__ unsigned tk_word_at(unsigned r0, unsigned r1, unsigned r2, unsigned r3, int w) {
   return (w & 2) ? ((w & 1) ? r3 : r2) : ((w & 1) ? r1 : r0);
@@ -119,8 +119,7 @@ __device__ __forceinline__ void tk_store_shifted_row_chunk(void* row_ptr, int se
   // piece's first ones (row + u - 16 + [16 - u, 16)): from the low end, pieces of decreasing size, then increasing.
   char* tail = row + 16 * seg - 16 + u;
   if (k > 0 || u == 0) {  // u == 0: lane 0 holds the whole last chunk
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" :: "l"(k > 0 ? row + u - 16 + 16 * k : tail),
-                 "r"(d[0]), "r"(d[1]), "r"(d[2]), "r"(d[3]));
+    tk_st_global_v4(k > 0 ? row + u - 16 + 16 * k : tail, d[0], d[1], d[2], d[3]);
     return;
   }
   int o = 0;
@@ -371,7 +370,7 @@ def transpose_shared_kernel(
     def main(x: T.StridedTensor((B, M, N), (sb, sm, 1), dtype), out: T.Tensor((B, N, M), dtype)):
         tiles_m = T.ceildiv(M, block_m)
         tiles_n = T.ceildiv(N, block_n)
-        prelude = CP_ASYNC + (SHIFTED_ROW_STORE if shifted_stores else ST_GLOBAL_V4)
+        prelude = CP_ASYNC + ST_GLOBAL_V4 + (SHIFTED_ROW_STORE if shifted_stores else "")
         with T.Kernel(B * tiles_m * tiles_n, threads=threads, prelude=prelude) as tile_id:
             T.annotate_min_blocks_per_sm(ctas_per_sm)
             T.assume(sm % v == 0)
