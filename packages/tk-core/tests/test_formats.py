@@ -179,3 +179,73 @@ def test_compute_scales_against_float64(fmt, round_sf):
 def test_compute_scales_e2m1_floor_is_2_pow_minus_126():
     sf, sf_inv = formats.compute_scales(torch.zeros(3), 6.0, 6.0 * 2.0**-126, True)
     assert sf.tolist() == [2.0**-126] * 3 and sf_inv.tolist() == [2.0**126] * 3
+
+
+# --- stochastic rounding --------------------------------------------------------------------------
+
+
+def lowbias32(x: int) -> int:
+    """The hash of ``formats.hash32`` in Python integers."""
+    x &= 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_hash32_and_stochastic_bits_match_python_integers():
+    xs = torch.randint(0, 2**32, (2000,), dtype=torch.int64)
+    assert formats.hash32(xs).tolist() == [lowbias32(x) for x in xs.tolist()]
+    rows, cols = torch.randint(0, 10**6, (500,)), torch.randint(0, 2**20, (500,))
+    for seed in (0, 1, 2**32 - 1):
+        got = formats.stochastic_bits(seed, rows, cols).tolist()
+        want = [(lowbias32(lowbias32(r + seed * 0x9E3779B9) + c // 2) >> (16 * (c % 2))) & 0xFFFF
+                for r, c in zip(rows.tolist(), cols.tolist())]
+        assert got == want and all(0 <= b < 2**16 for b in got)
+    assert not torch.equal(formats.stochastic_bits(1, rows, cols), formats.stochastic_bits(2, rows, cols))
+
+
+def sr_grid(fmt: str) -> list[float]:
+    """Non-negative grid magnitudes of ``fmt``, one binade past the largest value (the unsaturated neighbours)."""
+    if fmt == "e2m1":
+        return list(formats.E2M1_VALUES) + [8.0]
+    return sorted({abs(v) for v in all_e4m3_values()}) + [480.0, 512.0]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_round_stochastic_against_float64_neighbours(fmt):
+    top = formats.FORMAT_MAX[fmt]
+    grid = sr_grid(fmt)
+    n = 20000
+    ys = torch.rand(n, dtype=torch.float64) * torch.exp2(torch.randint(-14, int(math.log2(top)) + 1, (n,)).double())
+    ys = torch.cat([ys, torch.tensor(grid[:-1]), torch.tensor([0.0, 1e-30, 2.0**-10, top])])
+    ys = (ys.clamp(max=top) * torch.where(torch.rand(ys.numel()) < 0.5, -1.0, 1.0)).float()
+    r = torch.randint(0, 2**16, ys.shape, dtype=torch.int64)
+    got = formats.round_stochastic(ys, fmt, r).tolist()
+    emin = 2.0 ** {"e4m3": -6, "e2m1": 0}[fmt]
+    for y, rb, g in zip(ys.tolist(), r.tolist(), got):
+        a = abs(y)
+        if a < emin:  # the definition's one rounding: fl32(|y| + 2**emin)
+            a = f32(a + emin) - emin
+        i = max(k for k, v in enumerate(grid) if v <= a)
+        lo, hi = grid[i], grid[min(i + 1, len(grid) - 1)]
+        frac_bits = math.floor((a - lo) / (hi - lo) * 2**16) if hi > lo else 0
+        want = hi if rb + frac_bits >= 2**16 else lo
+        assert g == math.copysign(want, y), (y, rb, g, want)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_round_stochastic_is_unbiased_and_keeps_grid_values(fmt):
+    ys = torch.tensor([0.3, 1.1, 2.7, 5.1, -0.01, 0.002] + ([100.0, 300.0, 0.017] if fmt == "e4m3" else []))
+    r = torch.arange(0, 2**16, 2**4)  # a uniform grid of the random bits
+    out = formats.round_stochastic(ys[:, None].expand(-1, r.numel()), fmt, r[None, :])
+    mean = out.double().mean(1)
+    assert torch.allclose(mean, ys.double(), rtol=0, atol=float(ys.abs().max()) * 2.0**-10)
+    for v in sr_grid(fmt)[:-1]:
+        assert torch.equal(formats.round_stochastic(torch.full((64,), v), fmt, torch.randint(0, 2**16, (64,))), torch.full((64,), v))
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    got = formats.round_stochastic(special, fmt, torch.full((4,), 2**16 - 1))
+    assert got[:2].tolist() == [float("inf"), float("-inf")] and got[2].isnan() and str(got[3].item()) == "-0.0"
+    with pytest.raises(ValueError, match="round_stochastic: fmt must be one of"):
+        formats.round_stochastic(ys, "e5m6", r[:1])

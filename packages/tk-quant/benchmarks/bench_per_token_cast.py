@@ -70,3 +70,27 @@ def test_bench_per_token_cast_to_e5m6(gpu_benchmark, case, impl):
         fn, kernel="per_token_cast_to_e5m6", impl=impl, bytes=count_bytes(x, out, sf), hidden=H, in_dtype=in_dtype,
         num_per_channels=H, num_tokens=T, round_sf=round_sf, use_packed_ue8m0=packed, use_tma_aligned_col_major_sf=col,
     )
+
+
+# Stochastic rounding (not an anchor line: TileKernels 1.0.0 has none): the cost of the hash and the rounding
+# against the round-to-nearest lines above, same shapes.
+SR_CASES = [("e4m3", "fp32", 32), ("e2m1", "fp32", 32), ("e4m3", "bf16", 128)]
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", SR_CASES, ids=lambda c: "-".join(str(v) for v in c))
+def test_bench_per_token_cast_stochastic(gpu_benchmark, case, impl):
+    fmt, in_dtype, bk = case
+    x = torch.randn(T, H, device="cuda", dtype=DTYPES[in_dtype])
+    if impl == "tk":
+        fn = lambda: tk_quant.per_token_cast(x, fmt, bk, None, True, True, True, stochastic_rounding=True, seed=1)  # noqa: E731
+    else:
+        ref = reference.cast if impl == "torch" else torch.compile(reference.cast)
+        fn = lambda: ref(x, fmt, (1, bk), None, None, True, True, True, stochastic_seed=1)  # noqa: E731
+    out, sf = fn()
+    gpu_benchmark(
+        fn, kernel="per_token_cast_stochastic", impl=impl, bytes=count_bytes(x, out, sf), fmt=fmt, hidden=H,
+        in_dtype=in_dtype, num_per_channels=bk, num_tokens=T, round_sf=True, use_packed_ue8m0=True,
+        use_tma_aligned_col_major_sf=True,
+    )

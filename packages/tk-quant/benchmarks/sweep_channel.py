@@ -38,6 +38,9 @@ VARIANTS = {
     # 10: 0.6-1.3 % slower than 528 CTAs (c504) and equal (c512): the partial last round costs nothing measurable
     "c504": (None, dict(ctas=504)),  # (the QuantTensor lines, 2 CTAs per SM, are no case for it)
     "c512": (PLAIN, dict(ctas=512)),
+    # one CTA per tile (no persistent loop, no prefetch). Session 13: 0.3-7 % slower on the bf16 lines, 28 % on the
+    # QuantTensor lines
+    "tiles": (None, dict(ctas=1 << 20)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")

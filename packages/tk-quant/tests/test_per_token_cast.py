@@ -6,7 +6,16 @@ import pytest
 import torch
 
 import tk_quant
-from tk_core.formats import decode_e2m1, encode_e4m3, reinterpret, unpack_e2m1
+from tk_core.formats import (
+    decode_e2m1,
+    encode_e2m1,
+    encode_e4m3,
+    pack_e2m1,
+    reinterpret,
+    round_stochastic,
+    stochastic_bits,
+    unpack_e2m1,
+)
 from tk_core.jit import ARCHS
 from tk_core.layout import align, ceil_div
 from tk_core.testing import assert_equal, check_bias, opcheck
@@ -176,6 +185,45 @@ def test_validation_quant_inputs():
         tk_quant.per_token_cast((d8, s8), "e4m3", 128, x_block_size=(1, 8))
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_cpu_stochastic_rounding(fmt):
+    """The scales are those of the RN cast; each value is ``round_stochastic`` of ``x * sf_inv`` with the bits of
+    its position; the same seed repeats, another one differs; averaged over seeds the error shrinks (unbiased)."""
+    x = torch.randn(48, 256)
+    d_rn, s_rn = tk_quant.per_token_cast(x, fmt, 32, round_sf=True)
+    d, s = tk_quant.per_token_cast(x, fmt, 32, round_sf=True, stochastic_rounding=True, seed=11)
+    assert_equal(s, s_rn)
+    y = x * (1 / s).repeat_interleave(32, 1)  # power-of-two scales: the multiplier is exact
+    rounded = round_stochastic(y, fmt, stochastic_bits(11, torch.arange(48)[:, None], torch.arange(256)[None, :]))
+    assert_equal(d, encode_e4m3(rounded) if fmt == "e4m3" else pack_e2m1(encode_e2m1(rounded)))
+    assert_equal(tk_quant.per_token_cast(x, fmt, 32, round_sf=True, stochastic_rounding=True, seed=11)[0], d)
+    assert not torch.equal(_decode(d), _decode(tk_quant.per_token_cast(x, fmt, 32, round_sf=True, stochastic_rounding=True, seed=12)[0]))
+    assert not torch.equal(_decode(d), _decode(d_rn))
+    sfe = s.repeat_interleave(32, 1)
+    mean = torch.stack([_decode(tk_quant.per_token_cast(x, fmt, 32, round_sf=True, stochastic_rounding=True, seed=k)[0])
+                        for k in range(32)]).mean(0) * sfe
+    assert (mean - x).abs().mean() < 0.5 * (_decode(d_rn) * sfe - x).abs().mean()
+    sf = tk_quant.per_token_cast_with_sf_only(x, fmt, 32)
+    assert_equal(tk_quant.per_token_cast_with_precomputed_sf(x, fmt, 32, sf, stochastic_rounding=True, seed=3),
+                 reference.cast(x, fmt, (1, 32), sf, stochastic_seed=3))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(seed=1), ValueError, "per_token_cast: seed must be None unless stochastic_rounding=True, got 1"),
+        (dict(stochastic_rounding=True, seed=-1), ValueError, r"seed must be in \[0, 2\*\*32\), got -1"),
+        (dict(stochastic_rounding=True, seed=2**32), ValueError, r"seed must be in \[0, 2\*\*32\)"),
+        (dict(stochastic_rounding=True, seed=1.5), TypeError, "seed must be an int or None, got float"),
+        (dict(stochastic_rounding=True, fmt="e5m6"), ValueError, "fmt must be one of .* with stochastic_rounding=True"),
+    ],
+)
+def test_stochastic_rounding_errors(kwargs, exc, match):
+    args = dict(x=torch.randn(4, 64), fmt="e4m3", num_per_channels=32) | kwargs
+    with pytest.raises(exc, match=match):
+        tk_quant.per_token_cast(**args)
+
+
 def test_unpack_from_e2m1fn_x2():
     b = torch.tensor([[0x21, -0x80 + 0x7F]], dtype=torch.int8)  # bytes 0x21, 0xFF
     assert tk_quant.unpack_from_e2m1fn_x2(b).tolist() == [[0.5, 1.0, -6.0, -6.0]]
@@ -201,6 +249,13 @@ COMPILE_VARIANTS = [
     dict(in_dtype="bfloat16", fmt="e2m1", hidden=2048, bk=16, round_sf=False, sf_out="e4m3"),
     dict(in_dtype="bfloat16", fmt="e2m1", hidden=576, bk=128, round_sf=True, mode="sf_only", sf_out="packed"),
     dict(in_dtype="float32", fmt="e4m3", hidden=576, bk=128, round_sf=False, mode="cast_only", in_sf="fp32", in_bm=1, in_bk=128),
+    # stochastic rounding
+    dict(in_dtype="bfloat16", fmt="e4m3", hidden=7168, bk=128, round_sf=True, stochastic=True),
+    dict(in_dtype="float32", fmt="e2m1", hidden=7168, bk=32, round_sf=True, stochastic=True),
+    dict(in_dtype="bfloat16", fmt="e4m3", hidden=7168, bk=7168, round_sf=False, stochastic=True),
+    dict(in_dtype="int8", fmt="e4m3", hidden=2048, bk=128, round_sf=True, in_sf="fp32", in_bm=1, in_bk=32, stochastic=True),
+    dict(in_dtype="float32", fmt="e2m1", hidden=576, bk=32, round_sf=False, mode="cast_only", in_sf="fp32", in_bm=1, in_bk=32,
+         stochastic=True),
 ]
 
 
@@ -382,16 +437,60 @@ def test_gpu_special_values():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 1001])
+@pytest.mark.parametrize("h", [576, 7168])
+@pytest.mark.parametrize("in_dtype,fmt,bk,x_block_size", [
+    ("bf16", "e4m3", 128, None),
+    ("fp32", "e2m1", 32, None),
+    ("bf16", "e4m3", "H", None),
+    ("fp32", "e2m1", "H", None),
+    ("e2m1", "e4m3", 128, (1, 32)),
+])
+def test_gpu_stochastic_rounding(t, h, in_dtype, fmt, bk, x_block_size):
+    """Bit-exact with the reference (same seed, same bits), repeatable, seed-dependent, unbiased."""
+    bk = h if bk == "H" else bk
+    # requantized e2m1 data with power-of-two scales is exact in e4m3 (every seed gives the same bits): the
+    # quantized input takes non-power-of-two output scales
+    rsf = x_block_size is None
+    x, orig = _make_input(in_dtype, t, h, x_block_size, False, True, False)
+    _poison_allocator()
+    d, s = tk_quant.per_token_cast(x, fmt, bk, x_block_size, round_sf=rsf, stochastic_rounding=True, seed=2**31 + 9)
+    rd, rs = reference.cast(x, fmt, (1, bk), None, x_block_size, round_sf=rsf, stochastic_seed=2**31 + 9)
+    assert_equal(d, rd)
+    assert_equal(s, rs)
+    assert_equal(tk_quant.per_token_cast(x, fmt, bk, x_block_size, round_sf=rsf, stochastic_rounding=True,
+                                         seed=2**31 + 9)[0], d)
+    if t:
+        d2 = tk_quant.per_token_cast(x, fmt, bk, x_block_size, round_sf=rsf, stochastic_rounding=True, seed=4)[0]
+        assert not torch.equal(_decode(d2), _decode(d))
+        if x_block_size is None and bk != h:
+            assert_equal(tk_quant.per_token_cast_with_precomputed_sf(x, fmt, bk, s, stochastic_rounding=True, seed=5),
+                         reference.cast(x, fmt, (1, bk), s, stochastic_seed=5))
+    if t == 1001 and x_block_size is None:
+        sfe = s.repeat_interleave(bk, 1)[:, :h]
+        mean = torch.stack([_decode(tk_quant.per_token_cast(x, fmt, bk, round_sf=rsf, stochastic_rounding=True,
+                                                            seed=k)[0]) for k in range(16)]).mean(0) * sfe
+        rn = _decode(tk_quant.per_token_cast(x, fmt, bk, round_sf=True)[0]) * sfe
+        assert (mean - x.float()).abs().mean() < 0.6 * (rn - x.float()).abs().mean()
+
+
+@pytest.mark.gpu
 def test_gpu_opcheck_compile_and_graph():
     from tk_quant.per_token_cast import _per_token_cast_op
 
     x = torch.randn(257, 2048, device=CUDA)
     out = torch.empty(257, 1024, dtype=torch.int8, device=CUDA)
     sf = torch.empty(257, 64, device=CUDA)
-    opcheck(_per_token_cast_op.op, (x, None, out, sf, "e2m1", 32, 1, 16, True, "cast", 6 * 2.0**-126))
+    opcheck(_per_token_cast_op.op, (x, None, out, sf, "e2m1", 32, 1, 16, True, "cast", 6 * 2.0**-126, False, 0))
+    opcheck(_per_token_cast_op.op, (x, None, out, sf, "e2m1", 32, 1, 16, True, "cast", 6 * 2.0**-126, True, 2**32 - 5))
 
     def f(x):
         return tk_quant.per_token_cast(x, "e4m3", 128, None, True, True, True)
+
+    def f_sr(x):
+        return tk_quant.per_token_cast(x, "e2m1", 32, stochastic_rounding=True, seed=7)
+
+    assert_equal(torch.compile(f_sr, fullgraph=True)(x)[0], f_sr(x)[0])
 
     cd, cs = torch.compile(f, fullgraph=True)(x)
     ed, es = f(x)
@@ -403,8 +502,13 @@ def test_gpu_opcheck_compile_and_graph():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         gd, gs = f(static_x)
+    g_sr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_sr):
+        gsr = f_sr(static_x)[0]
     static_x.copy_(torch.randn_like(x))
     g.replay()
+    g_sr.replay()
     rd, rs = f(static_x)
     assert_equal(gd, rd)
     assert_equal(gs.contiguous(), rs.contiguous())
+    assert_equal(gsr, f_sr(static_x)[0])  # the captured seed

@@ -9,6 +9,10 @@
 
 The scale rule (``compute_scales``) turns a block's amax into the dequantization scale ``sf`` and the
 quantization multiplier ``sf_inv`` exactly as the kernels do, so references built on it compare bits.
+
+Stochastic rounding (``round_stochastic``, e4m3 and e2m1) takes its random bits from a hash of the element's
+position and a seed (``stochastic_bits``): the same call gives the same bits on any device, so the kernels that
+round stochastically are compared bit for bit with their references, and no generator state is involved.
 """
 
 import torch
@@ -189,6 +193,65 @@ def unpack_e5m6(packed: torch.Tensor) -> torch.Tensor:
         w2 & 0xFFF,
     )
     return torch.stack(h, dim=-1).flatten(-2).to(torch.int32)
+
+
+# --- stochastic rounding -------------------------------------------------------------------------
+
+SR_BITS = 16  # random bits per element
+SR_FORMATS = ("e4m3", "e2m1")
+# (mantissa bits, smallest normal exponent) of the formats that round stochastically
+_SR_GRID = {"e4m3": (3, -6), "e2m1": (1, 0)}
+_GOLDEN = 0x9E3779B9
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)`` (every partial product below 2**48)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """An avalanching 32-bit integer hash (Wellons' "lowbias32") of int64 ``x`` taken mod 2**32; int64 result."""
+    x = x.to(torch.int64) & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """``SR_BITS`` random bits (int64) for the elements at ``(rows, cols)`` (broadcast) of a 2-D tensor, one hash
+    per pair of columns: ``h = hash32(hash32(row + seed * 0x9E3779B9) + col // 2)`` in 32-bit unsigned arithmetic;
+    an even column takes the low 16 bits of ``h``, an odd one the high 16."""
+    row_key = hash32(rows.to(torch.int64) + (seed * _GOLDEN & _MASK32))
+    cols = cols.to(torch.int64)
+    return (hash32(row_key + (cols >> 1)) >> (16 * (cols & 1))) & 0xFFFF
+
+
+def round_stochastic(y: torch.Tensor, fmt: str, r: torch.Tensor) -> torch.Tensor:
+    """float32 ``y`` rounded to a neighbour on ``fmt``'s grid (without saturation; encode the result with
+    ``encode_e4m3`` / ``encode_e2m1``, which then only saturate), away from zero with the probability of its
+    fractional position between them, to ``SR_BITS`` bits.
+
+    With ``m`` mantissa bits and smallest normal exponent ``emin`` (e4m3: 3, -6; e2m1: 1, 0) the grid spacing in
+    a binade is one unit of the float32's bit ``23 - m``. So ``t = |y|`` (below ``2**emin``: ``t = fl32(|y| +
+    2**emin)``, which puts the subnormal grid on those bits) gets ``r << (7 - m)`` added to its bits, and the
+    ``23 - m`` low bits are cleared (a carry moves to the next grid value, also across binades); then
+    ``2**emin`` is subtracted again where it was added (exactly). The sign is kept (``-0`` too); inf and NaN
+    pass through. Every step is exact or a single float32 rounding, so kernels reproduce it bit for bit.
+    """
+    if fmt not in _SR_GRID:
+        raise ValueError(f"round_stochastic: fmt must be one of {SR_FORMATS}, got {fmt!r}")
+    mbits, emin = _SR_GRID[fmt]
+    y = y.float()
+    a = y.abs()
+    small = a < 2.0**emin
+    t = torch.where(small, a + 2.0**emin, a)
+    dropped = 23 - mbits
+    bits = (_bits(t) + (r.to(torch.int32) << (dropped - SR_BITS))) & ~((1 << dropped) - 1)
+    mag = torch.where(small, _from_bits(bits) - 2.0**emin, _from_bits(bits))
+    return torch.where(torch.isfinite(y), torch.copysign(mag, y), y)
 
 
 # --- ue8m0 ----------------------------------------------------------------------------------------

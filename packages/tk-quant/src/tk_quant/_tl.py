@@ -9,6 +9,8 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
 - ``encode_e2m1``: RNE on the e2m1 code grid, saturating at 6, NaN -> 7, sign bit copied (software, so
   sm_90a and sm_100a agree and match the reference).
 - ``sf_offset``: the element offset of scale block ``(m, k)`` in the flat storage of an SF layout.
+- ``row_key`` / ``pair_bits`` / ``round_stochastic``: ``tk_core.formats.stochastic_bits`` (one hash per column
+  pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``.
 """
 
 import tilelang.language as T
@@ -82,3 +84,49 @@ def sf_offset(layout: str, m, k, nm, nk: int):
     if layout == "col":
         return k * nm4 + m
     return (k // 4) * (4 * nm4) + 4 * m + k % 4
+
+
+def _hash32(x):
+    """``tk_core.formats.hash32`` of a uint32 expression."""
+    x = T.bitwise_xor(x, T.shift_right(x, 16)) * T.uint32(0x7FEB352D)
+    x = T.bitwise_xor(x, T.shift_right(x, 15)) * T.uint32(0x846CA68B)
+    return T.bitwise_xor(x, T.shift_right(x, 16))
+
+
+def row_key(row, seed):
+    """The per-row half of ``stochastic_bits``: ``hash32(row + seed * 0x9E3779B9)`` (``seed`` an int32 scalar
+    holding the seed's low 32 bits)."""
+    return _hash32(T.cast(row, "uint32") + T.reinterpret(seed, "uint32") * T.uint32(0x9E3779B9))
+
+
+def pair_bits(key, col_pair):
+    """The 32 random bits of the column pair ``col_pair`` (columns ``2 col_pair`` and ``2 col_pair + 1``) of the
+    row with ``row_key`` ``key``: the even column's ``stochastic_bits`` are the low 16, the odd one's the high 16."""
+    return _hash32(key + T.cast(col_pair, "uint32"))
+
+
+# ``tk_core.formats.round_stochastic`` as device functions (TileLang lowers ``if_then_else`` to branches; these are
+# selects). ``__fadd_rn`` / ``__fsub_rn`` keep the one rounding of ``|y| + 2**emin`` out of FMA contraction.
+ROUND_STOCHASTIC = r"""
+template <int DROPPED>
+__device__ __forceinline__ float tk_round_stochastic(float y, unsigned r, float lo) {
+  const float a = fabsf(y);
+  const bool small = a < lo;
+  const float t = small ? __fadd_rn(a, lo) : a;
+  const float m = __uint_as_float((__float_as_uint(t) + (r << (DROPPED - 16))) & (0xFFFFFFFFu << DROPPED));
+  const float mag = small ? __fsub_rn(m, lo) : m;
+  return (__float_as_uint(y) & 0x7F800000u) != 0x7F800000u ? copysignf(mag, y) : y;
+}
+__device__ __forceinline__ float tk_round_stochastic_e4m3(float y, unsigned r) {
+  return tk_round_stochastic<20>(y, r, 0x1p-6f);
+}
+__device__ __forceinline__ float tk_round_stochastic_e2m1(float y, unsigned r) {
+  return tk_round_stochastic<22>(y, r, 1.0f);
+}
+"""
+
+
+def round_stochastic(y, fmt: str, r):
+    """``tk_core.formats.round_stochastic`` of the float32 expression ``y`` with the 16 random bits ``r`` (uint32;
+    the kernel's prelude must contain ``ROUND_STOCHASTIC``)."""
+    return T.call_extern("float32", f"tk_round_stochastic_{fmt}", y, r)

@@ -10,6 +10,8 @@ API (import from ``tk_quant.common``):
 - ``amax_clamp(fmt, use_e4m3_sf)``: the amax floor (``tk_core.config``) of an output format.
 - ``sf_out_layout(op, col, packed, round_sf, use_e4m3_sf)``: the flags -> ``"row"|"col"|"packed"``, rejecting
   packed without col-major or without ``round_sf`` and e4m3 scales with ``round_sf`` or packing.
+- ``stochastic_seed(op, fmt, stochastic_rounding, seed)``: the checked 32-bit seed of a cast with stochastic
+  rounding (``None`` without it); ``seed=None`` draws one from torch's default CPU generator.
 - ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast.
 - ``alloc_sf_out(nm, nk, layout, device, e4m3_sf=False)``: the SF output (``tk_core.layout.alloc_sf``; with
   ``e4m3_sf`` a float8_e4m3fn ``(nm, nk)``, row-major, or column-major with 16-byte aligned columns).
@@ -31,7 +33,7 @@ import torch
 
 from tk_core import config
 from tk_core.checks import check_dtype, check_ndim, fail
-from tk_core.formats import FORMAT_MAX, decode_e2m1, unpack_e2m1
+from tk_core.formats import FORMAT_MAX, SR_FORMATS, decode_e2m1, unpack_e2m1
 from tk_core.layout import align, alloc_sf, ceil_div, sf_layout, sf_layout_of, sf_to_row_major
 
 QuantTensor = tuple[torch.Tensor, torch.Tensor]
@@ -74,6 +76,22 @@ def sf_out_layout(op: str, col: bool, packed: bool, round_sf: bool, use_e4m3_sf:
         if packed:
             fail(op, "use_packed_ue8m0", "False when use_e4m3_sf=True", True)
     return sf_layout(op, bool(col), bool(packed), bool(round_sf))
+
+
+def stochastic_seed(op: str, fmt: str, stochastic_rounding: bool, seed) -> int | None:
+    if not stochastic_rounding:
+        if seed is not None:
+            fail(op, "seed", "None unless stochastic_rounding=True", seed)
+        return None
+    if fmt not in SR_FORMATS:
+        fail(op, "fmt", f"one of {SR_FORMATS} with stochastic_rounding=True", repr(fmt))
+    if seed is None:  # a fresh seed per call that follows torch.manual_seed (a host draw, no device sync)
+        return int(torch.randint(0, 2**32, (), dtype=torch.int64))
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        fail(op, "seed", "an int or None", type(seed).__name__, TypeError)
+    if not 0 <= seed < 2**32:
+        fail(op, "seed", "in [0, 2**32)", seed)
+    return seed
 
 
 def alloc_data(fmt: str, t: int, h: int, device) -> torch.Tensor:

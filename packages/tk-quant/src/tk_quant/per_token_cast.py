@@ -21,6 +21,11 @@ TMA-aligned column-major fp32 (``use_tma_aligned_col_major_sf``) or packed UE8M0
 ``(T, ceil(ceil(H/bk)/4))`` column-major (needs col-major and ``round_sf``), or float8_e4m3fn with
 ``use_e4m3_sf`` (row- or column-major). ``T == 0`` returns empty tensors without a launch.
 
+Stochastic rounding (``stochastic_rounding=True``, e4m3 and e2m1 data): ``out = convert(round_stochastic(x *
+sf_inv, r))`` with ``tk_core.formats.round_stochastic`` and the 16 bits ``r = stochastic_bits(seed, row, col)`` of
+each element's position in ``(T, H)``; the scales are those of the round-to-nearest cast. One hash per column
+pair and about 16 SASS per element more for e4m3, 32 for e2m1 (PERF-NOTES, session 13).
+
 Variants: ``per_token_cast_with_sf_only`` returns only the SF (no data buffer); ``per_token_cast_with_
 precomputed_sf(x, ..., sf)`` casts with a given SF of any layout, ``out = convert(x * (1/sf))``.
 
@@ -43,7 +48,7 @@ from tk_core.jit import kernel
 from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
 
-from . import reference
+from . import _tl, reference
 from ._tl import ue8m0_byte
 from .common import (
     FMT_DTYPE,
@@ -56,6 +61,7 @@ from .common import (
     sf_kernel_args,
     sf_kind,
     sf_out_layout,
+    stochastic_seed,
 )
 
 V = 16  # elements per thread
@@ -152,6 +158,7 @@ def per_token_cast_kernel(
     threads: int = 256,
     stage: bool = True,  # e5m6, one scale per row: store through shared memory (see below)
     min_blocks: int = 0,  # CTAs per SM the staged kernel's registers must allow (0: a 56-register cap)
+    stochastic: bool = False,  # stochastic rounding of the data (e4m3, e2m1), bits from the runtime ``seed``
 ):
     t = T.dynamic("num_tokens")
     xs = T.dynamic("x_stride")
@@ -182,6 +189,15 @@ def per_token_cast_kernel(
     # chunks, lane l on chunk l (coalesced); 8-byte stores at a 24-byte lane stride cost 3x the store sectors.
     # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks.
     stage = stage and row_mode and fmt == "e5m6" and write_data and hidden % 32 == 0
+    assert not (stochastic and fmt == "e5m6")
+    prelude = (_F16X2_RZ if fmt == "e5m6" else "") + (_tl.ROUND_STOCHASTIC if stochastic else "") or None
+
+    def narrowed(y, bits, i):
+        """The value the conversion of ``y`` (element ``i`` of a thread's vector) rounds: ``y`` itself, or its
+        stochastic rounding with the bits of its column pair ``bits[i // 2]``."""
+        if not stochastic:
+            return y
+        return _tl.round_stochastic(y, fmt, T.bitwise_and(T.shift_right(bits[i // 2], 16 * (i % 2)), T.uint32(0xFFFF)))
 
     @T.prim_func
     def main(
@@ -194,8 +210,9 @@ def per_token_cast_kernel(
         s0: T.int32,
         s1: T.int32,
         clamp_min: T.float32,
+        seed: T.int32,
     ):
-        with T.Kernel(grid_x(t), threads=threads, prelude=_F16X2_RZ if fmt == "e5m6" else None) as bx:
+        with T.Kernel(grid_x(t), threads=threads, prelude=prelude) as bx:
             T.assume(xs % lw == 0)
             if stage:
                 # at most 56 registers (5 CTAs of 224 threads per SM, 35 warps, no spills): more rows in flight to
@@ -300,19 +317,26 @@ def per_token_cast_kernel(
                             SF[row * s0 + kk * s1] = T.cast(sf, _SF_DTYPE[sf_out])
             if write_data:
                 yv = T.alloc_local((npt, vout), out_dtype)
+                key = T.alloc_local((1,), "uint32")
+                pbits = T.alloc_local((V // 2,), "uint32")  # the random bits of a vector's column pairs
+                if stochastic:
+                    key[0] = _tl.row_key(row, seed)
                 for p in T.unroll(npt):
                     if row_mode:
                         col = (lane + p * 32 * w) * V
                     else:
                         col = gq * V
                     m = mul[p] * sf_inv
+                    if stochastic:
+                        for j in T.unroll(V // 2):
+                            pbits[j] = _tl.pair_bits(key[0], T.shift_right(col, 1) + j)
                     if fmt == "e4m3":
                         for i in T.unroll(V):
-                            yv[p, i] = T.cast(xv[p, i] * m, "float8_e4m3fn")
+                            yv[p, i] = T.cast(narrowed(xv[p, i] * m, pbits, i), "float8_e4m3fn")
                     elif fmt == "e2m1":
                         c = T.alloc_local((V,), "uint32")
                         for i in T.unroll(V):
-                            c[i] = T.shift_left(_encode_e2m1(xv[p, i] * m), 4 * (i % 8))
+                            c[i] = T.shift_left(_encode_e2m1(narrowed(xv[p, i] * m, pbits, i)), 4 * (i % 8))
                         for j in T.unroll(2):
                             yv[p, j] = T.reinterpret(
                                 T.bitwise_or(
@@ -395,6 +419,8 @@ def _per_token_cast_op(
     round_sf: bool,
     kind: str,
     clamp_min: float,
+    stochastic: bool,
+    seed: int,
 ) -> None:
     # ``kind`` is the kernel's mode; an op argument named ``mode`` clashes with torch.compile's
     # auto-functionalization.
@@ -402,6 +428,8 @@ def _per_token_cast_op(
     hidden = 2 * x.shape[1] if x.dtype == torch.int8 else x.shape[1]
     in_sf = sf_kind(x_sf) if x_sf is not None else None
     params = dict(in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=hidden, bk=num_per_channels, round_sf=round_sf, mode=kind)
+    if stochastic:
+        params["stochastic"] = True
     if out_sf is not None:
         params["sf_out"] = sf_kind(out_sf)
     if in_sf is not None:
@@ -416,7 +444,7 @@ def _per_token_cast_op(
         y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
     else:
         y = out.view(-1) if fmt == "e4m3" else out.view(-1).view(torch.int32)
-    k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min)
+    k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min, seed - 2**32 if seed >= 2**31 else seed)  # the bits as an int32
 
 
 # --- public API ----------------------------------------------------------------------------------
@@ -477,14 +505,22 @@ def per_token_cast(
     use_packed_ue8m0: bool = False,
     use_e4m3_sf: bool = False,
     out: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int | None = None,
 ):
     """Quantizes ``x`` (bf16/fp32 ``(T, H)`` or a QuantTensor) per ``(1, num_per_channels)`` group.
 
     Returns ``(data, sf)``; see the module docstring for the math, shapes, layouts and errors.
     ``fmt='e5m6'`` needs a plain input (``tk_quant.per_token_cast_e5m6``).
     ``out`` (optional) is a preallocated contiguous data output.
+    ``stochastic_rounding`` (e4m3, e2m1): the data rounds to a grid neighbour of ``x * sf_inv`` at random, up in
+    magnitude with probability equal to the fractional distance (``tk_core.formats.round_stochastic``; the
+    scales are unchanged). The bits come from the element's position and ``seed`` (an int in ``[0, 2**32)``;
+    ``None`` draws one per call from torch's default CPU generator, so pass an int under ``torch.compile`` or
+    CUDA graphs, and vary it per step): the same seed gives the same bits on every device.
     """
     op = "per_token_cast"
+    seed = stochastic_seed(op, fmt, stochastic_rounding, seed)
     if fmt == "e5m6":
         from .per_token_cast_e5m6 import per_token_cast_to_e5m6
 
@@ -499,7 +535,7 @@ def per_token_cast(
     )
     if device.type != "cuda":
         data, sf = reference.cast(x, fmt, (1, num_per_channels), None, x_block_size, round_sf,
-                                  use_tma_aligned_col_major_sf, use_packed_ue8m0, use_e4m3_sf)
+                                  use_tma_aligned_col_major_sf, use_packed_ue8m0, use_e4m3_sf, stochastic_seed=seed)
         if out is not None:
             _check_out(op, out, fmt, t, h, device).copy_(data)
             data = out
@@ -510,7 +546,7 @@ def per_token_cast(
         xd, xsf = (q.data, q.sf) if q is not None else (x, None)
         bm, bk = q.block if q is not None else (1, V)
         _per_token_cast_op(xd, xsf, data, sf, fmt, num_per_channels, bm, bk, bool(round_sf), "cast",
-                           amax_clamp(fmt, use_e4m3_sf))
+                           amax_clamp(fmt, use_e4m3_sf), seed is not None, seed or 0)
     return data, sf
 
 
@@ -538,7 +574,7 @@ def per_token_cast_with_sf_only(
     sf = alloc_sf_out(t, ceil_div(h, num_per_channels), layout, device, e4m3_sf=use_e4m3_sf)
     if t:
         _per_token_cast_op(x, None, None, sf, fmt, num_per_channels, 1, V, bool(round_sf), "sf_only",
-                           amax_clamp(fmt, use_e4m3_sf))
+                           amax_clamp(fmt, use_e4m3_sf), False, 0)
     return sf
 
 
@@ -552,11 +588,15 @@ def per_token_cast_with_precomputed_sf(
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
     out: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    seed: int | None = None,
 ) -> torch.Tensor:
     """Casts a plain input with a given SF (dequant scales, any layout: fp32 row/col, packed UE8M0, e4m3):
     ``out = convert(x * (1/sf))``. The layout flags are accepted for signature compatibility and checked
-    for consistency only; the SF's own dtype and strides define its layout. Returns the data."""
+    for consistency only; the SF's own dtype and strides define its layout. ``stochastic_rounding`` and
+    ``seed`` as in ``per_token_cast``. Returns the data."""
     op = "per_token_cast_with_precomputed_sf"
+    seed = stochastic_seed(op, fmt, stochastic_rounding, seed)
     if isinstance(x, (tuple, list)):
         fail(op, "x", "a bf16/fp32 tensor (QuantTensor input is not supported here)", "a QuantTensor", TypeError)
     q, t, h, device, _ = _check_common(
@@ -571,7 +611,7 @@ def per_token_cast_with_precomputed_sf(
     if sf.dim() != 2 or tuple(sf.shape) != want or sf.device != device:
         fail(op, "sf", f"of shape {want} on {device}", f"shape {tuple(sf.shape)} on {sf.device}")
     if device.type != "cuda":
-        data = reference.cast(x, fmt, (1, num_per_channels), sf)
+        data = reference.cast(x, fmt, (1, num_per_channels), sf, stochastic_seed=seed)
         if out is not None:
             _check_out(op, out, fmt, t, h, device).copy_(data)
             data = out
@@ -580,5 +620,6 @@ def per_token_cast_with_precomputed_sf(
     if t:
         # The kernel reads dequant scales as row-major fp32; any other layout is decoded first.
         sf = sf_to_row_major(sf, nk)
-        _per_token_cast_op(x, sf, data, None, fmt, num_per_channels, 1, num_per_channels, False, "cast_only", 0.0)
+        _per_token_cast_op(x, sf, data, None, fmt, num_per_channels, 1, num_per_channels, False, "cast_only", 0.0,
+                           seed is not None, seed or 0)
     return data

@@ -55,5 +55,5 @@ def per_token_cast_to_e5m6(
     data = alloc_data("e5m6", t, h, x.device) if out is None else _check_out(op, out, "e5m6", t, h, x.device)
     sf = alloc_sf_out(t, h // num_per_channels, layout, x.device)
     if t:
-        _per_token_cast_op(x, None, data, sf, "e5m6", num_per_channels, 1, 16, bool(round_sf), "cast", amax_clamp("e5m6"))
+        _per_token_cast_op(x, None, data, sf, "e5m6", num_per_channels, 1, 16, bool(round_sf), "cast", amax_clamp("e5m6"), False, 0)
     return data, sf

@@ -14,6 +14,8 @@ from tk_core.formats import (  # noqa: E402
     encode_e5m6,
     pack_e2m1,
     pack_e5m6,
+    round_stochastic,
+    stochastic_bits,
     unpack_e5m6,
 )
 from tk_core.layout import ceil_div, sf_to_layout  # noqa: E402
@@ -61,6 +63,7 @@ def cast(
     use_tma_aligned_col_major_sf: bool = False,
     use_packed_ue8m0: bool = False,
     use_e4m3_sf: bool = False,
+    stochastic_seed: int | None = None,
 ):
     """General 2-D block quantizer to e4m3 or packed e2m1 with scale block ``block_size = (bm, bk)``.
 
@@ -106,6 +109,10 @@ def cast(
             sf_rows, sf_inv = compute_scales(amax, FMT_MAX[fmt], amax_clamp(fmt), round_sf)
     mult = expand_sf(sf_inv, t, h, bm, bk)
     y = base * (s_in * mult) if s_in is not None else base * mult
+    if stochastic_seed is not None:
+        rows = torch.arange(t, device=y.device)[:, None]
+        cols = torch.arange(h, device=y.device)[None, :]
+        y = round_stochastic(y, fmt, stochastic_bits(stochastic_seed, rows, cols))
     data = encode_e4m3(y) if fmt == "e4m3" else pack_e2m1(encode_e2m1(y))
     if sf is not None:
         return data
