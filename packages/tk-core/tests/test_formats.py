@@ -235,14 +235,28 @@ def test_round_stochastic_against_float64_neighbours(fmt):
         assert g == math.copysign(want, y), (y, rb, g, want)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_round_stochastic_bf16_against_float64_neighbours():
+    n = 20000
+    ys = torch.randn(n, dtype=torch.float64) * torch.exp2(torch.randint(-140, 120, (n,)).double())
+    ys = torch.cat([ys, torch.tensor([0.0, 2.0**-149, 3.0 * 2.0**-130, 1.0, -2.0**-126])]).float()
+    r = torch.randint(0, 2**16, ys.shape, dtype=torch.int64)
+    got = formats.round_stochastic(ys, "bf16", r).tolist()
+    for y, rb, g in zip(ys.tolist(), r.tolist(), got):
+        a = abs(y)  # a float32 value: its float64 is exact
+        q = 2.0 ** (max(math.frexp(a)[1] - 1, -126) - 7) if a else 2.0**-133
+        lo = math.floor(a / q) * q  # exact: float32 values have at most 24 significant bits
+        frac_bits = math.floor((a - lo) / q * 2**16)
+        assert g == math.copysign(lo + q if rb + frac_bits >= 2**16 else lo, y), (y, rb, g)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1", "bf16"])
 def test_round_stochastic_is_unbiased_and_keeps_grid_values(fmt):
-    ys = torch.tensor([0.3, 1.1, 2.7, 5.1, -0.01, 0.002] + ([100.0, 300.0, 0.017] if fmt == "e4m3" else []))
+    ys = torch.tensor([0.3, 1.1, 2.7, 5.1, -0.01, 0.002] + ([100.0, 300.0, 0.017] if fmt != "e2m1" else []))
     r = torch.arange(0, 2**16, 2**4)  # a uniform grid of the random bits
     out = formats.round_stochastic(ys[:, None].expand(-1, r.numel()), fmt, r[None, :])
     mean = out.double().mean(1)
     assert torch.allclose(mean, ys.double(), rtol=0, atol=float(ys.abs().max()) * 2.0**-10)
-    for v in sr_grid(fmt)[:-1]:
+    for v in sr_grid(fmt)[:-1] if fmt != "bf16" else [0.0, 1.0, 1.0078125, 3.0 * 2.0**-133, 2.0**100]:
         assert torch.equal(formats.round_stochastic(torch.full((64,), v), fmt, torch.randint(0, 2**16, (64,))), torch.full((64,), v))
     special = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
     got = formats.round_stochastic(special, fmt, torch.full((4,), 2**16 - 1))

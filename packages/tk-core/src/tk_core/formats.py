@@ -198,9 +198,9 @@ def unpack_e5m6(packed: torch.Tensor) -> torch.Tensor:
 # --- stochastic rounding -------------------------------------------------------------------------
 
 SR_BITS = 16  # random bits per element
-SR_FORMATS = ("e4m3", "e2m1")
+SR_FORMATS = ("e4m3", "e2m1", "bf16")
 # (mantissa bits, smallest normal exponent) of the formats that round stochastically
-_SR_GRID = {"e4m3": (3, -6), "e2m1": (1, 0)}
+_SR_GRID = {"e4m3": (3, -6), "e2m1": (1, 0), "bf16": (7, -126)}
 _GOLDEN = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
 
@@ -231,13 +231,13 @@ def stochastic_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.
 
 def round_stochastic(y: torch.Tensor, fmt: str, r: torch.Tensor) -> torch.Tensor:
     """float32 ``y`` rounded to a neighbour on ``fmt``'s grid (without saturation; encode the result with
-    ``encode_e4m3`` / ``encode_e2m1``, which then only saturate), away from zero with the probability of its
-    fractional position between them, to ``SR_BITS`` bits.
+    ``encode_e4m3`` / ``encode_e2m1`` / ``.to(torch.bfloat16)``, which are then exact but for saturation or
+    overflow), away from zero with the probability of its fractional position between them, to ``SR_BITS`` bits.
 
-    With ``m`` mantissa bits and smallest normal exponent ``emin`` (e4m3: 3, -6; e2m1: 1, 0) the grid spacing in
-    a binade is one unit of the float32's bit ``23 - m``. So ``t = |y|`` (below ``2**emin``: ``t = fl32(|y| +
-    2**emin)``, which puts the subnormal grid on those bits) gets ``r << (7 - m)`` added to its bits, and the
-    ``23 - m`` low bits are cleared (a carry moves to the next grid value, also across binades); then
+    With ``m`` mantissa bits and smallest normal exponent ``emin`` (e4m3: 3, -6; e2m1: 1, 0; bf16: 7, -126) the
+    grid spacing in a binade is one unit of the float32's bit ``23 - m``. So ``t = |y|`` (below ``2**emin``:
+    ``t = fl32(|y| + 2**emin)``, which puts the subnormal grid on those bits) gets ``r << (7 - m)`` added to its
+    bits, and the ``23 - m`` low bits are cleared (a carry moves to the next grid value, also across binades); then
     ``2**emin`` is subtracted again where it was added (exactly). The sign is kept (``-0`` too); inf and NaN
     pass through. Every step is exact or a single float32 rounding, so kernels reproduce it bit for bit.
     """

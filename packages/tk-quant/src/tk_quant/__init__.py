@@ -3,6 +3,7 @@
 from .__about__ import __version__
 from .cast_back import cast_back, cast_back_e5m6, per_token_cast_back
 from .common import QuantTensor, unpack_from_e2m1fn_x2
+from .elementwise_cast import cast
 from .per_block_cast import per_block_cast, per_block_cast_with_precomputed_sf, per_block_cast_with_sf_only
 from .per_block_cast_lossless import per_block_cast_lossless
 from .per_channel_cast import per_channel_cast, per_channel_cast_and_transpose, per_channel_cast_fused
@@ -17,6 +18,7 @@ from .swiglu import (
 __all__ = [
     "__version__",
     "QuantTensor",
+    "cast",
     "cast_back",
     "cast_back_e5m6",
     "per_block_cast",

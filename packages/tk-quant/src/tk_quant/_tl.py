@@ -123,6 +123,9 @@ __device__ __forceinline__ float tk_round_stochastic_e4m3(float y, unsigned r) {
 __device__ __forceinline__ float tk_round_stochastic_e2m1(float y, unsigned r) {
   return tk_round_stochastic<22>(y, r, 1.0f);
 }
+__device__ __forceinline__ float tk_round_stochastic_bf16(float y, unsigned r) {
+  return tk_round_stochastic<16>(y, r, 0x1p-126f);
+}
 """
 
 

@@ -119,6 +119,18 @@ def cast(
     return data, _sf_to_out(sf_rows, layout, use_e4m3_sf)
 
 
+def elementwise_cast(x: torch.Tensor, dtype: torch.dtype, stochastic_seed: int | None = None) -> torch.Tensor:
+    """``x`` (float32 / bfloat16) -> ``dtype`` (bfloat16 / float8_e4m3fn) element by element, no scaling: RNE
+    (e4m3 saturating, ``encode_e4m3``), or with ``stochastic_seed`` ``round_stochastic`` onto the output's grid
+    with the bits ``stochastic_bits(stochastic_seed, i >> 32, i % 2**32)`` of flat element ``i`` first."""
+    y = x.float()
+    if stochastic_seed is not None:
+        i = torch.arange(x.numel(), device=x.device, dtype=torch.int64)
+        fmt = "bf16" if dtype == torch.bfloat16 else "e4m3"
+        y = round_stochastic(y.reshape(-1), fmt, stochastic_bits(stochastic_seed, i >> 32, i & 0xFFFFFFFF)).view(x.shape)
+    return y.to(torch.bfloat16) if dtype == torch.bfloat16 else encode_e4m3(y)
+
+
 def cast_back(x, fmt: str, block_size=(32, 32)) -> torch.Tensor:
     """``round_out(decode(data) * s)`` with ``s`` the block's scale (any SF layout); ``fmt`` 'bf16'/'fp32'."""
     op = "tk_quant.reference.cast_back"
