@@ -101,6 +101,24 @@ def _per_token_e2m1():
             (lambda: tk_quant.reference.cast(x, "e2m1", (1, 32), round_sf=True)), (x,))
 
 
+@case("per_token_cast", f"fp32 {TOKENS}x7168 -> e4m3, 1x32, stochastic rounding", package="tk_quant")
+def _per_token_stochastic():
+    import tk_quant
+
+    x = torch.randn(TOKENS, 7168, device=DEVICE)
+    return ((lambda: tk_quant.per_token_cast(x, "e4m3", 32, round_sf=True, stochastic_rounding=True, seed=1)),
+            (lambda: tk_quant.reference.cast(x, "e4m3", (1, 32), round_sf=True, stochastic_seed=1)), (x,))
+
+
+@case("cast", f"fp32 {TOKENS}x7168 -> bf16, stochastic rounding", package="tk_quant")
+def _elementwise_cast():
+    import tk_quant
+
+    x = torch.randn(TOKENS, 7168, device=DEVICE)
+    return ((lambda: tk_quant.cast(x, torch.bfloat16, stochastic_rounding=True, seed=1)),
+            (lambda: tk_quant.reference.elementwise_cast(x, torch.bfloat16, stochastic_seed=1)), (x,))
+
+
 @case("per_block_cast", f"bf16 {TOKENS}x7168 -> e4m3, 128x128", package="tk_quant")
 def _per_block():
     import tk_quant
