@@ -88,6 +88,28 @@ def test_validation(kwargs, exc, msg):
         per_block_cast(**args)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_out_argument(device, fmt):
+    """A preallocated output is filled (poisoned first) and returned; a wrong one is rejected."""
+    x = torch.randn(65, 256, device=device)
+    ref, ref_sf = reference.cast(x, fmt, (32, 128), round_sf=True)
+    dtype, cols = (torch.float8_e4m3fn, 256) if fmt == "e4m3" else (torch.int8, 128)
+    out = torch.full((65, cols), -1, dtype=torch.int8, device=device).view(dtype)
+    d, s = per_block_cast(x, fmt, (32, 128), round_sf=True, out=out)
+    assert d is out
+    assert_equal(d, ref)
+    assert_equal(s, ref_sf)
+    out2 = torch.full((65, cols), -1, dtype=torch.int8, device=device).view(dtype)
+    assert per_block_cast_with_precomputed_sf(x, fmt, (32, 128), ref_sf, out=out2) is out2
+    assert_equal(out2, reference.cast(x, fmt, (32, 128), sf=ref_sf))
+    wrong = [torch.empty(65, cols + 16, dtype=dtype, device=device), torch.empty(65, cols, dtype=torch.float32, device=device),
+             torch.empty(cols, 65, dtype=dtype, device=device).t(), torch.empty(65 * cols + 1, dtype=torch.int8, device=device)[1:].view(65, cols).view(dtype)]
+    for bad in wrong:
+        with pytest.raises((ValueError, TypeError), match="per_block_cast: out must be"):
+            per_block_cast(x, fmt, (32, 128), round_sf=True, out=bad)
+
+
 def test_precomputed_sf_validation():
     x = torch.randn(40, 64)
     with pytest.raises(ValueError, match="sf must be of shape"):

@@ -12,7 +12,8 @@ API (import from ``tk_quant.common``):
   packed without col-major or without ``round_sf`` and e4m3 scales with ``round_sf`` or packing.
 - ``stochastic_seed(op, fmt, stochastic_rounding, seed)``: the checked 32-bit seed of a cast with stochastic
   rounding (``None`` without it); ``seed=None`` draws one from torch's default CPU generator.
-- ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast.
+- ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast; ``check_out(op, out, fmt, t, h,
+  device)``: checks a preallocated one (dtype, shape, contiguous, 16-byte aligned, device) and returns it.
 - ``alloc_sf_out(nm, nk, layout, device, e4m3_sf=False)``: the SF output (``tk_core.layout.alloc_sf``; with
   ``e4m3_sf`` a float8_e4m3fn ``(nm, nk)``, row-major, or column-major with 16-byte aligned columns).
 - ``sf_kind(sf)``: ``"fp32"`` (any strides), ``"packed"`` (int32 UE8M0) or ``"e4m3"`` (float8_e4m3fn scales).
@@ -96,6 +97,17 @@ def stochastic_seed(op: str, fmt: str, stochastic_rounding: bool, seed) -> int |
 
 def alloc_data(fmt: str, t: int, h: int, device) -> torch.Tensor:
     return torch.empty((t, physical_hidden(fmt, h)), dtype=FMT_DTYPE[fmt], device=device)
+
+
+def check_out(op: str, out, fmt: str, t: int, h: int, device) -> torch.Tensor:
+    shape = (t, physical_hidden(fmt, h))
+    if not isinstance(out, torch.Tensor):
+        fail(op, "out", "a torch.Tensor or None", type(out).__name__, TypeError)
+    check_dtype(op, "out", out, FMT_DTYPE[fmt])
+    if tuple(out.shape) != shape or not out.is_contiguous() or out.device != device or out.data_ptr() % 16:
+        fail(op, "out", f"a contiguous 16-byte aligned tensor of shape {shape} on {device}",
+             f"shape {tuple(out.shape)}, strides {tuple(out.stride())} on {out.device}")
+    return out
 
 
 def alloc_sf_out(nm: int, nk: int, layout: str, device, e4m3_sf: bool = False) -> torch.Tensor:

@@ -39,6 +39,7 @@ from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 
 from . import _tl
+from .common import alloc_data, check_out
 
 OP = "per_block_cast"
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -215,11 +216,10 @@ def _check(op: str, x, fmt, block_size) -> tuple[int, int]:
     return bm, bk
 
 
-def _alloc_out(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def _data_out(op: str, x: torch.Tensor, fmt: str, out: torch.Tensor | None) -> torch.Tensor:
+    """A fresh data output for ``x``, or the caller's ``out`` once checked."""
     t, h = x.shape
-    if fmt == "e2m1":
-        return torch.empty((t, h // 2), dtype=torch.int8, device=x.device)
-    return torch.empty((t, h), dtype=torch.float8_e4m3fn, device=x.device)
+    return alloc_data(fmt, t, h, x.device) if out is None else check_out(op, out, fmt, t, h, x.device)
 
 
 def per_block_cast(
@@ -229,9 +229,11 @@ def per_block_cast(
     use_tma_aligned_col_major_sf: bool = False,
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` (bf16/fp32 ``(T, H)``, contiguous, ``H % 64 == 0``) to ``fmt`` ('e4m3' or 'e2m1')
-    with one scale per ``block_size = (bm, bk)`` block, ``bm, bk`` in {32, 128}.
+    with one scale per ``block_size = (bm, bk)`` block, ``bm, bk`` in {32, 128}. ``out`` (optional): a
+    preallocated contiguous, 16-byte aligned data output of the returned dtype and shape.
 
     Returns ``(out, sf)``: ``out`` float8_e4m3fn ``(T, H)`` or packed-e2m1 int8 ``(T, H/2)``; ``sf`` the
     dequantization scales ``(ceil(T/bm), ceil(H/bk))`` in the layout chosen by the flags (row-major fp32;
@@ -245,12 +247,13 @@ def per_block_cast(
     if x.device.type != "cuda":
         from . import reference
 
-        return reference.cast(
+        data, sf = reference.cast(
             x, fmt, (bm, bk), round_sf=round_sf,
             use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
         )
+        return (data if out is None else _data_out(OP, x, fmt, out).copy_(data)), sf
     t, h = x.shape
-    out = _alloc_out(x, fmt)
+    out = _data_out(OP, x, fmt, out)
     flat, sf = alloc_sf_storage(ceil_div(t, bm), ceil_div(h, bk), layout, x.device)
     if t:
         per_block_cast_(x, out, flat, fmt, bm, bk, layout, bool(round_sf), get_amax_clamp(fmt))
@@ -292,8 +295,10 @@ def per_block_cast_with_precomputed_sf(
     use_tma_aligned_col_major_sf: bool = False,
     round_sf: bool = False,
     use_packed_ue8m0: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Casts ``x`` with given dequantization scales: ``out = convert(x * fl(1/sf[block]))``.
+    """Casts ``x`` with given dequantization scales: ``out = convert(x * fl(1/sf[block]))`` (``out`` optional and
+    preallocated, as in ``per_block_cast``).
 
     ``sf`` must be a contiguous row-major float32 ``(ceil(T/bm), ceil(H/bk))`` on ``x``'s device; the
     layout flags must be False (col-major or packed scales are rejected rather than misread) and
@@ -312,8 +317,9 @@ def per_block_cast_with_precomputed_sf(
     if x.device.type != "cuda":
         from . import reference
 
-        return reference.cast(x, fmt, (bm, bk), sf=sf)
-    out = _alloc_out(x, fmt)
+        data = reference.cast(x, fmt, (bm, bk), sf=sf)
+        return data if out is None else _data_out(op, x, fmt, out).copy_(data)
+    out = _data_out(op, x, fmt, out)
     if t:
         per_block_cast_precomputed_(x, out, sf, fmt, bm, bk)
     return out

@@ -51,13 +51,12 @@ from tk_core.library import device_op
 from . import _tl, reference
 from ._tl import ue8m0_byte
 from .common import (
-    FMT_DTYPE,
     FMT_MAX,
     alloc_data,
     alloc_sf_out,
     amax_clamp,
+    check_out,
     check_quant_input,
-    physical_hidden,
     sf_kernel_args,
     sf_kind,
     sf_out_layout,
@@ -484,17 +483,6 @@ def _check_common(op, x, fmt, num_per_channels, x_block_size, col, round_sf, pac
     return q, t, h, device, layout
 
 
-def _check_out(op, out, fmt, t, h, device):
-    shape = (t, physical_hidden(fmt, h))
-    if not isinstance(out, torch.Tensor):
-        fail(op, "out", "a torch.Tensor or None", type(out).__name__, TypeError)
-    check_dtype(op, "out", out, FMT_DTYPE[fmt])
-    if tuple(out.shape) != shape or not out.is_contiguous() or out.device != device or out.data_ptr() % 16:
-        fail(op, "out", f"a contiguous 16-byte aligned tensor of shape {shape} on {device}",
-             f"shape {tuple(out.shape)}, strides {tuple(out.stride())} on {out.device}")
-    return out
-
-
 def per_token_cast(
     x,
     fmt: str,
@@ -537,10 +525,10 @@ def per_token_cast(
         data, sf = reference.cast(x, fmt, (1, num_per_channels), None, x_block_size, round_sf,
                                   use_tma_aligned_col_major_sf, use_packed_ue8m0, use_e4m3_sf, stochastic_seed=seed)
         if out is not None:
-            _check_out(op, out, fmt, t, h, device).copy_(data)
+            check_out(op, out, fmt, t, h, device).copy_(data)
             data = out
         return data, sf
-    data = alloc_data(fmt, t, h, device) if out is None else _check_out(op, out, fmt, t, h, device)
+    data = alloc_data(fmt, t, h, device) if out is None else check_out(op, out, fmt, t, h, device)
     sf = alloc_sf_out(t, ceil_div(h, num_per_channels), layout, device, e4m3_sf=use_e4m3_sf)
     if t:
         xd, xsf = (q.data, q.sf) if q is not None else (x, None)
@@ -613,10 +601,10 @@ def per_token_cast_with_precomputed_sf(
     if device.type != "cuda":
         data = reference.cast(x, fmt, (1, num_per_channels), sf, stochastic_seed=seed)
         if out is not None:
-            _check_out(op, out, fmt, t, h, device).copy_(data)
+            check_out(op, out, fmt, t, h, device).copy_(data)
             data = out
         return data
-    data = alloc_data(fmt, t, h, device) if out is None else _check_out(op, out, fmt, t, h, device)
+    data = alloc_data(fmt, t, h, device) if out is None else check_out(op, out, fmt, t, h, device)
     if t:
         # The kernel reads dequant scales as row-major fp32; any other layout is decoded first.
         sf = sf_to_row_major(sf, nk)

@@ -20,8 +20,8 @@ import torch
 from tk_core.checks import check_dtype, check_ndim, fail
 
 from . import reference
-from .common import alloc_data, alloc_sf_out, amax_clamp, sf_out_layout
-from .per_token_cast import _check_out, _per_token_cast_op
+from .common import alloc_data, alloc_sf_out, amax_clamp, check_out, sf_out_layout
+from .per_token_cast import _per_token_cast_op
 
 
 def per_token_cast_to_e5m6(
@@ -49,10 +49,10 @@ def per_token_cast_to_e5m6(
     if x.device.type != "cuda":
         data, sf = reference.cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
         if out is not None:
-            _check_out(op, out, "e5m6", t, h, x.device).copy_(data)
+            check_out(op, out, "e5m6", t, h, x.device).copy_(data)
             data = out
         return data, sf
-    data = alloc_data("e5m6", t, h, x.device) if out is None else _check_out(op, out, "e5m6", t, h, x.device)
+    data = alloc_data("e5m6", t, h, x.device) if out is None else check_out(op, out, "e5m6", t, h, x.device)
     sf = alloc_sf_out(t, h // num_per_channels, layout, x.device)
     if t:
         _per_token_cast_op(x, None, data, sf, "e5m6", num_per_channels, 1, 16, bool(round_sf), "cast", amax_clamp("e5m6"), False, 0)
