@@ -94,3 +94,23 @@ def test_bench_per_token_cast_stochastic(gpu_benchmark, case, impl):
         in_dtype=in_dtype, num_per_channels=bk, num_tokens=T, round_sf=True, use_packed_ue8m0=True,
         use_tma_aligned_col_major_sf=True,
     )
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", [("e4m3", 128), ("e2m1", 32)], ids=lambda c: "-".join(str(v) for v in c))
+def test_bench_per_token_cast_and_cast_back(gpu_benchmark, case, impl):
+    """Fake quantization in place (not an anchor line): bf16 8001 x 7168 read and written once."""
+    fmt, bk = case
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    if impl == "tk":
+        fn = lambda: tk_quant.per_token_cast_and_cast_back(x, fmt, bk, round_sf=True)  # noqa: E731
+    else:
+        ref = reference.per_token_cast_and_cast_back
+        ref = ref if impl == "torch" else torch.compile(ref)
+        fn = lambda: ref(x, fmt, bk, True)  # noqa: E731
+    fn()
+    gpu_benchmark(
+        fn, kernel="per_token_cast_and_cast_back", impl=impl, bytes=2 * count_bytes(x), fmt=fmt, hidden=H,
+        in_dtype="bf16", num_per_channels=bk, num_tokens=T, round_sf=True,
+    )

@@ -224,6 +224,24 @@ def test_stochastic_rounding_errors(kwargs, exc, match):
         tk_quant.per_token_cast(**args)
 
 
+@pytest.mark.parametrize("fmt,bk,e4m3_sf", [("e4m3", 32, False), ("e2m1", 16, True), ("e4m3", "H", False)])
+def test_cpu_cast_and_cast_back(fmt, bk, e4m3_sf):
+    """In place on a strided view: the view holds cast_back(cast(x)), the columns beside it are untouched."""
+    full = torch.randn(40, 320).bfloat16()
+    x = full[:, :256]
+    bk = 256 if bk == "H" else bk
+    want = reference.cast_back(reference.cast(x, fmt, (1, bk), use_e4m3_sf=e4m3_sf), "bf16", (1, bk))
+    rest = full[:, 256:].clone()
+    assert tk_quant.per_token_cast_and_cast_back(x, fmt, bk, use_e4m3_sf=e4m3_sf) is x
+    assert_equal(x, want)
+    assert_equal(full[:, 256:], rest)
+    assert_equal(want, reference.per_token_cast_and_cast_back(want, fmt, bk, use_e4m3_sf=e4m3_sf))  # idempotent
+    with pytest.raises(TypeError, match="per_token_cast_and_cast_back: x must be a bf16/fp32 tensor"):
+        tk_quant.per_token_cast_and_cast_back(reference.cast(x, "e4m3", (1, 32)), "e4m3", 32)
+    with pytest.raises(ValueError, match="per_token_cast_and_cast_back: fmt must be one of"):
+        tk_quant.per_token_cast_and_cast_back(x, "e5m6", 256)
+
+
 def test_unpack_from_e2m1fn_x2():
     b = torch.tensor([[0x21, -0x80 + 0x7F]], dtype=torch.int8)  # bytes 0x21, 0xFF
     assert tk_quant.unpack_from_e2m1fn_x2(b).tolist() == [[0.5, 1.0, -6.0, -6.0]]
@@ -256,6 +274,9 @@ COMPILE_VARIANTS = [
     dict(in_dtype="int8", fmt="e4m3", hidden=2048, bk=128, round_sf=True, in_sf="fp32", in_bm=1, in_bk=32, stochastic=True),
     dict(in_dtype="float32", fmt="e2m1", hidden=576, bk=32, round_sf=False, mode="cast_only", in_sf="fp32", in_bm=1, in_bk=32,
          stochastic=True),
+    # fake quantization (in place)
+    dict(in_dtype="bfloat16", fmt="e4m3", hidden=7168, bk=128, round_sf=True, mode="fake"),
+    dict(in_dtype="float32", fmt="e2m1", hidden=2048, bk=16, round_sf=False, mode="fake", sf_out="e4m3"),
 ]
 
 
@@ -265,7 +286,9 @@ COMPILE_VARIANTS = [
 def test_compiles(arch, params):
     src = assert_compiles(per_token_cast_kernel, arch, **params)
     assert "__fdividef" not in src and "__expf" not in src
-    if params.get("mode") != "sf_only":
+    if params.get("mode") == "fake":  # 16-byte stores back into X
+        assert "*(uint4*)(X" in src or "*(float4*)(X" in src
+    elif params.get("mode") != "sf_only":
         assert ("*(fp8_e4_16_t*)(Y" in src) if params["fmt"] == "e4m3" else ("*(int2*)(Y" in src)
     if params["in_dtype"] in ("float32", "bfloat16"):
         assert "*(float4*)(xr" in src or "*(uint4*)(xr" in src
@@ -475,6 +498,32 @@ def test_gpu_stochastic_rounding(t, h, in_dtype, fmt, bk, x_block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [0, 1, 1001])
+@pytest.mark.parametrize("h", [576, 7168])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,bk,e4m3_sf,round_sf", [
+    ("e4m3", 128, False, True), ("e4m3", 32, False, False), ("e2m1", 16, True, False), ("e2m1", 32, False, True),
+    ("e4m3", "H", False, False),
+])
+def test_gpu_cast_and_cast_back(t, h, dtype, fmt, bk, e4m3_sf, round_sf):
+    """Bit-exact with the reference, in place on strided rows (the columns beside untouched) and on a view whose
+    rows are not 16-byte aligned (computed on a copy, written back)."""
+    bk = h if bk == "H" else bk
+    full = torch.randn(t, h + 24, device=CUDA).to(dtype)
+    x = full[:, :h]
+    want = reference.per_token_cast_and_cast_back(x, fmt, bk, round_sf, e4m3_sf)
+    rest = full[:, h:].clone()
+    assert tk_quant.per_token_cast_and_cast_back(x, fmt, bk, round_sf, e4m3_sf) is x
+    assert_equal(x, want)
+    assert_equal(full[:, h:], rest)
+    if t:
+        xm = full[:, 3 : 3 + h]  # misaligned rows
+        want = reference.per_token_cast_and_cast_back(xm, fmt, bk, round_sf, e4m3_sf)
+        tk_quant.per_token_cast_and_cast_back(xm, fmt, bk, round_sf, e4m3_sf)
+        assert_equal(xm, want)
+
+
+@pytest.mark.gpu
 def test_gpu_opcheck_compile_and_graph():
     from tk_quant.per_token_cast import _per_token_cast_op
 
@@ -512,3 +561,12 @@ def test_gpu_opcheck_compile_and_graph():
     assert_equal(gd, rd)
     assert_equal(gs.contiguous(), rs.contiguous())
     assert_equal(gsr, f_sr(static_x)[0])  # the captured seed
+
+    from tk_quant.per_token_cast import _fake_quant_op
+
+    opcheck(_fake_quant_op.op, (x.clone(), "e4m3", 128, True, False, 1e-4))
+
+    def fq(x):
+        return tk_quant.per_token_cast_and_cast_back(x * 1, "e2m1", 32)
+
+    assert_equal(torch.compile(fq, fullgraph=True)(x), fq(x))

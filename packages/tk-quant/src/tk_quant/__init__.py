@@ -7,7 +7,12 @@ from .elementwise_cast import cast
 from .per_block_cast import per_block_cast, per_block_cast_with_precomputed_sf, per_block_cast_with_sf_only
 from .per_block_cast_lossless import per_block_cast_lossless
 from .per_channel_cast import per_channel_cast, per_channel_cast_and_transpose, per_channel_cast_fused
-from .per_token_cast import per_token_cast, per_token_cast_with_precomputed_sf, per_token_cast_with_sf_only
+from .per_token_cast import (
+    per_token_cast,
+    per_token_cast_and_cast_back,
+    per_token_cast_with_precomputed_sf,
+    per_token_cast_with_sf_only,
+)
 from .per_token_cast_e5m6 import per_token_cast_to_e5m6
 from .swiglu import (
     swiglu_backward_and_per_token_cast,
@@ -29,6 +34,7 @@ __all__ = [
     "per_channel_cast_and_transpose",
     "per_channel_cast_fused",
     "per_token_cast",
+    "per_token_cast_and_cast_back",
     "per_token_cast_back",
     "per_token_cast_to_e5m6",
     "per_token_cast_with_precomputed_sf",

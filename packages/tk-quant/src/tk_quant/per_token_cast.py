@@ -27,7 +27,8 @@ each element's position in ``(T, H)``; the scales are those of the round-to-near
 pair and about 16 SASS per element more for e4m3, 32 for e2m1 (PERF-NOTES, session 13).
 
 Variants: ``per_token_cast_with_sf_only`` returns only the SF (no data buffer); ``per_token_cast_with_
-precomputed_sf(x, ..., sf)`` casts with a given SF of any layout, ``out = convert(x * (1/sf))``.
+precomputed_sf(x, ..., sf)`` casts with a given SF of any layout, ``out = convert(x * (1/sf))``;
+``per_token_cast_and_cast_back(x, ...)`` fake-quantizes ``x`` in place (the cast decoded back, in one pass).
 
 Errors: TypeError for wrong types/dtypes, ValueError for bad fmt, ``num_per_channels``, shapes,
 layout-flag combinations (packed without col-major or ``round_sf``; e4m3 scales with ``round_sf``),
@@ -141,7 +142,7 @@ def per_token_cast_kernel(
     hidden: int,
     bk: int,
     round_sf: bool,
-    mode: str = "cast",  # "cast" | "sf_only" | "cast_only"
+    mode: str = "cast",  # "cast" | "sf_only" | "cast_only" | "fake" (the cast decoded back into X, in place)
     sf_out: str = "fp32",  # "fp32" | "packed" | "e4m3"
     in_sf: str | None = None,  # kind of the input SF (QuantTensor input) or of the given SF (cast_only)
     in_bm: int = 1,
@@ -175,7 +176,9 @@ def per_token_cast_kernel(
         nv = ceil_div(hidden // V, gv) * gv  # vectors per row, padded to whole groups
         grid_x = lambda n: T.ceildiv(n * nv, threads)  # noqa: E731
     write_data = mode != "sf_only"
-    write_sf = mode != "cast_only"
+    write_sf = mode not in ("cast_only", "fake")
+    fake = mode == "fake"
+    assert not fake or (fmt != "e5m6" and not quant_in)
     # e5m6 rows: a lane's 6 words (24 B) go through shared memory so the warp stores its 768 B as 16-byte
     # chunks, lane l on chunk l (coalesced); 8-byte stores at a 24-byte lane stride cost 3x the store sectors.
     # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks.
@@ -367,6 +370,17 @@ def per_token_cast_kernel(
                         for j in T.unroll(vout // ow):
                             for i in T.vectorized(ow):
                                 st[(tx // 32 * npt + p) * 32 * vout + tx % 32 * vout + j * ow + i] = yv[p, j * ow + i]
+                    elif fake:
+                        if row < t and col < hidden:
+                            # ``cast_back``: the decoded value times the scale, rounded to the input dtype
+                            for i in T.unroll(V):
+                                if fmt == "e4m3":
+                                    xr[p, i] = T.cast(T.cast(yv[p, i], "float32") * sf, in_dtype)
+                                else:
+                                    xr[p, i] = T.cast(_decode_e2m1(T.shift_right(yv[p, i // 8], 4 * (i % 8)), 0) * sf, in_dtype)
+                            for j in T.unroll(vin // lw):
+                                for i in T.vectorized(lw):
+                                    X[row, col + j * lw + i] = xr[p, j * lw + i]
                     elif row < t and col < hidden:
                         for j in T.unroll(vout // ow):
                             for i in T.vectorized(ow):
@@ -436,6 +450,18 @@ def _per_token_cast_op(
     else:
         y = out.view(-1) if fmt == "e4m3" else out.view(-1).view(torch.int32)
     k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min, seed - 2**32 if seed >= 2**31 else seed)  # the bits as an int32
+
+
+@device_op("tk_quant::per_token_cast_and_cast_back_", mutates_args=("x",))
+def _fake_quant_op(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool, e4m3_sf: bool, clamp_min: float) -> None:
+    # In place; a row stride the 16-byte vectors cannot take runs on an aligned copy that is copied back.
+    xa = vector_aligned(x, 16)
+    k = per_token_cast_kernel.get(x.device, in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=x.shape[1], bk=num_per_channels,
+                                  round_sf=round_sf, mode="fake", sf_out="e4m3" if e4m3_sf else "fp32")
+    y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
+    k(xa, _dummy(x.device, torch.uint8), y, _dummy(x.device, torch.float32), 0, 0, 0, 0, clamp_min, 0)
+    if xa is not x:
+        x.copy_(xa)
 
 
 # --- public API ----------------------------------------------------------------------------------
@@ -528,6 +554,26 @@ def per_token_cast(
         _per_token_cast_op(xd, xsf, data, sf, fmt, num_per_channels, bm, bk, bool(round_sf), "cast",
                            amax_clamp(fmt, use_e4m3_sf), seed is not None, seed or 0)
     return data, sf
+
+
+def per_token_cast_and_cast_back(
+    x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool = False, use_e4m3_sf: bool = False
+) -> torch.Tensor:
+    """In-place fake quantization (TileKernels 2.1.0's ``per_token_cast_and_cast_back``): every value of bf16/fp32
+    ``x (T, H)`` (any row stride, unit inner stride) becomes ``cast_back(per_token_cast(x, fmt, num_per_channels,
+    round_sf=round_sf, use_e4m3_sf=use_e4m3_sf))``: its e4m3 / e2m1 value times its group's scale, rounded to
+    ``x``'s dtype, in one pass (no quantized tensor is stored). Returns ``x``. Reference:
+    ``reference.per_token_cast_and_cast_back``."""
+    op = "per_token_cast_and_cast_back"
+    if isinstance(x, (tuple, list)):
+        fail(op, "x", "a bf16/fp32 tensor (modified in place)", "a QuantTensor", TypeError)
+    _, t, h, device, _ = _check_common(op, x, fmt, num_per_channels, None, False, round_sf, False, use_e4m3_sf,
+                                       ("e4m3", "e2m1"))
+    if device.type != "cuda":
+        return x.copy_(reference.per_token_cast_and_cast_back(x, fmt, num_per_channels, round_sf, use_e4m3_sf))
+    if t:
+        _fake_quant_op(x, fmt, num_per_channels, bool(round_sf), bool(use_e4m3_sf), amax_clamp(fmt, use_e4m3_sf))
+    return x
 
 
 def per_token_cast_with_sf_only(

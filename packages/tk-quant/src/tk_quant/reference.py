@@ -119,6 +119,14 @@ def cast(
     return data, _sf_to_out(sf_rows, layout, use_e4m3_sf)
 
 
+def per_token_cast_and_cast_back(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: bool = False,
+                                 use_e4m3_sf: bool = False) -> torch.Tensor:
+    """``cast_back(cast(x, fmt, (1, num_per_channels), ...))`` in ``x``'s dtype (bf16 / fp32): the fake-quantized
+    values (a new tensor; the op writes them into ``x``)."""
+    q = cast(x, fmt, (1, num_per_channels), round_sf=round_sf, use_e4m3_sf=use_e4m3_sf)
+    return cast_back(q, "bf16" if x.dtype == torch.bfloat16 else "fp32", (1, num_per_channels))
+
+
 def elementwise_cast(x: torch.Tensor, dtype: torch.dtype, stochastic_seed: int | None = None) -> torch.Tensor:
     """``x`` (float32 / bfloat16) -> ``dtype`` (bfloat16 / float8_e4m3fn) element by element, no scaling: RNE
     (e4m3 saturating, ``encode_e4m3``), or with ``stochastic_seed`` ``round_stochastic`` onto the output's grid
