@@ -152,10 +152,11 @@ def _poison_run(x, fmt, block, col, rnd, packed):
     """per_block_cast with outputs pre-filled with 0xFF so unwritten bytes show up."""
     from tk_core.config import get_amax_clamp
     from tk_core.layout import ceil_div, sf_layout
-    from tk_quant.per_block_cast import _alloc_out, alloc_sf_storage
+    from tk_quant.common import alloc_data
+    from tk_quant.per_block_cast import alloc_sf_storage
 
     t, h = x.shape
-    out = _alloc_out(x, fmt)
+    out = alloc_data(fmt, t, h, x.device)
     out.view(torch.uint8).fill_(0xFF)
     layout = sf_layout("t", col, packed, rnd)
     flat, sf = alloc_sf_storage(ceil_div(t, block[0]), ceil_div(h, block[1]), layout, x.device)

@@ -459,7 +459,8 @@ def _fake_quant_op(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: b
     k = per_token_cast_kernel.get(x.device, in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=x.shape[1], bk=num_per_channels,
                                   round_sf=round_sf, mode="fake", sf_out="e4m3" if e4m3_sf else "fp32")
     y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
-    k(xa, _dummy(x.device, torch.uint8), y, _dummy(x.device, torch.float32), 0, 0, 0, 0, clamp_min, 0)
+    sf = _dummy(x.device, torch.float8_e4m3fn if e4m3_sf else torch.float32)  # (unused: no SF is written)
+    k(xa, _dummy(x.device, torch.uint8), y, sf, 0, 0, 0, 0, clamp_min, 0)
     if xa is not x:
         x.copy_(xa)
 
