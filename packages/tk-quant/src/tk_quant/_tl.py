@@ -19,12 +19,17 @@ FORMAT_MAX = {"e4m3": 448.0, "e2m1": 6.0}
 
 
 def pow2(k):
-    """Exactly ``2**k`` (float32) for an int32 expression ``k``, branch-free (nested selects become branches):
-    ``2**a * 2**b`` with ``a`` and ``b = k - a`` clamped to the normal exponents rounds like ``2**k`` itself (exact
-    down to ``2**-149``, 0 from ``2**-150`` on by ties-to-even, inf from ``2**128`` on)."""
-    a = T.max(T.min(k, 127), -126)
-    b = T.max(T.min(k - a, 127), -126)
-    return T.reinterpret(T.shift_left(a + 127, 23), "float32") * T.reinterpret(T.shift_left(b + 127, 23), "float32")
+    """Exactly ``2**k`` (float32) for an int32 expression ``k``."""
+    bits = T.if_then_else(
+        k > 127,
+        T.int32(0x7F800000),
+        T.if_then_else(
+            k >= -126,
+            T.shift_left(k + 127, 23),
+            T.if_then_else(k >= -149, T.shift_left(T.int32(1), T.max(k + 149, 0)), T.int32(0)),
+        ),
+    )
+    return T.reinterpret(bits, "float32")
 
 
 def scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool):

@@ -127,6 +127,14 @@ def _e5m6_top12(h2, i: int):
     return T.shift_right(h2, 20) if i else T.bitwise_and(T.shift_right(h2, 4), T.uint32(0xFFF))
 
 
+def _pow2(k):
+    """Exactly ``2**k`` (float32) for an int32 ``k``, as ``_tl.pow2`` but branch-free: ``2**a * 2**b`` with
+    ``a + b = k`` and both factors normal; the one rounding of the product gives the subnormals, 0 and inf."""
+    kc = T.min(T.max(k, -252), 254)
+    a = T.shift_right(kc, 1)
+    return T.reinterpret(T.shift_left(a + 127, 23), "float32") * T.reinterpret(T.shift_left(kc - a + 127, 23), "float32")
+
+
 def _load_sf(kind: str, buf, m, k, s0, s1):
     """The float32 scale of block ``(m, k)`` of an SF passed as flat storage with strides ``(s0, s1)``."""
     if kind == "packed":
@@ -290,8 +298,8 @@ def per_token_cast_kernel(
                 sf_inv = T.float32(1.0) / sf
             elif round_sf:
                 kexp = T.shift_right(T.reinterpret(T.max(amax, clamp_min) / T.float32(fmax), "int32") - 1, 23) - 126
-                sf = _tl.pow2(kexp)
-                sf_inv = _tl.pow2(-kexp)
+                sf = _pow2(kexp)
+                sf_inv = _pow2(-kexp)
             else:
                 sf = T.max(amax, clamp_min) / T.float32(fmax)
                 sf_inv = T.float32(fmax) / T.max(amax, clamp_min)

@@ -210,6 +210,24 @@ def clamp_impl_for(x_dtype: torch.dtype, clamp_value: float | None) -> str:
     return CLAMP_IMPL
 
 
+def _pow2(k):
+    """``_tl.pow2(k)`` bit for bit, branch-free (nvcc turned the nested selects into branches): ``2**a * 2**b``
+    with ``a`` and ``b = k - a`` clamped to the normal exponents rounds like ``2**k`` itself (exact down to
+    ``2**-149``, 0 from ``2**-150`` on by ties-to-even, inf from ``2**128`` on)."""
+    a = T.max(T.min(k, 127), -126)
+    b = T.max(T.min(k - a, 127), -126)
+    return T.reinterpret(T.shift_left(a + 127, 23), "float32") * T.reinterpret(T.shift_left(b + 127, 23), "float32")
+
+
+def _scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool):
+    """``_tl.scale_rule`` with the branch-free ``_pow2``."""
+    if not round_sf:
+        return _tl.scale_rule(amax, clamp_min, fmt_max, round_sf)
+    s0 = T.max(amax, clamp_min) / T.float32(fmt_max)
+    k = T.shift_right(T.reinterpret(s0, "int32") - 1, 23) - 126
+    return _pow2(k), _pow2(-k)
+
+
 def _sf_value(layout: str, s):
     """The stored form of scale ``s``: the UE8M0 byte for packed, else the float."""
     return _tl.ue8m0_byte(s) if layout == "packed" else s
@@ -504,7 +522,7 @@ def swiglu_fwd_token_kernel(
                                     am[c] = T.max(am[c], T.shfl_xor(am[c], off))
                                 if pair and c % 2 == 1:
                                     hi = T.bitwise_and(lane, b) != 0
-                                    s, si = _tl.scale_rule(
+                                    s, si = _scale_rule(
                                         T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
                                     )
                                     sp[0] = s
@@ -523,7 +541,7 @@ def swiglu_fwd_token_kernel(
                                     if T.truncmod(lane, b) == 0 and in_range(col_s):
                                         sf[_tl.sf_offset(layout, row, col_s // group, E, nk)] = _sf_value(layout, sp[0])
                                 elif not pair or c == UC - 1:
-                                    s, si = _tl.scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                    s, si = _scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
                                     if in_range(col):
                                         for i in T.vectorized(VEC):
                                             out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
@@ -531,7 +549,7 @@ def swiglu_fwd_token_kernel(
                                             sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
                         if row_mode:
                             if ph == 1:
-                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 for c in T.unroll(UC):
                                     col = it * span + c * (32 * VEC) + lane * VEC
                                     if in_range(col):
@@ -542,7 +560,7 @@ def swiglu_fwd_token_kernel(
                             for off in offsets:
                                 rm[0] = T.max(rm[0], T.shfl_xor(rm[0], off))
                             if lane == 0:
-                                s, si = _tl.scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
             if st[0] == 2:
                 for j in T.serial(iters // wpr):
@@ -951,7 +969,7 @@ def swiglu_fwd_channel_kernel(
                 for w in T.unroll(1, WARPS):
                     cm[0] = T.max(cm[0], red[w, tx])
                 cm[0] = T.cast(T.cast(cm[0], "bfloat16"), "float32")  # the amax of the bf16 activations
-                s, si = _tl.scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
+                s, si = _scale_rule(cm[0], clamp_min, E4M3_MAX, round_sf)
                 sf[by, bx * COLS + tx] = s
                 sinv[tx] = si
             T.sync_threads()
