@@ -27,7 +27,7 @@ from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import _tl, reference
-from .common import stochastic_seed
+from .common import int32_bits, stochastic_seed
 
 THREADS = 256
 VEC = 8  # elements per thread
@@ -83,11 +83,9 @@ def cast_kernel(in_dtype: str, out_dtype: str, stochastic: bool):
 def cast_(x: torch.Tensor, out: torch.Tensor, stochastic: bool, seed: int) -> None:
     """``x`` and ``out`` flat and contiguous, ``x`` 16-byte aligned."""
     k = cast_kernel.get(x.device, in_dtype=_NAMES[x.dtype], out_dtype=_NAMES[out.dtype], stochastic=stochastic)
-    s = seed - 2**32 if seed >= 2**31 else seed  # the bits as an int32
     for start in range(0, x.numel(), CHUNK):
         stop = min(start + CHUNK, x.numel())
-        col0 = start & 0xFFFFFFFF
-        k(x[start:stop], out[start:stop], s, start >> 32, col0 - 2**32 if col0 >= 2**31 else col0)
+        k(x[start:stop], out[start:stop], int32_bits(seed), start >> 32, int32_bits(start & 0xFFFFFFFF))
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype, stochastic_rounding: bool = False, seed: int | None = None) -> torch.Tensor:

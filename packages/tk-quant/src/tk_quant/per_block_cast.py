@@ -39,7 +39,7 @@ from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 
 from . import _tl
-from .common import alloc_data, check_out
+from .common import data_out
 
 OP = "per_block_cast"
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -216,12 +216,6 @@ def _check(op: str, x, fmt, block_size) -> tuple[int, int]:
     return bm, bk
 
 
-def _data_out(op: str, x: torch.Tensor, fmt: str, out: torch.Tensor | None) -> torch.Tensor:
-    """A fresh data output for ``x``, or the caller's ``out`` once checked."""
-    t, h = x.shape
-    return alloc_data(fmt, t, h, x.device) if out is None else check_out(op, out, fmt, t, h, x.device)
-
-
 def per_block_cast(
     x: torch.Tensor,
     fmt: str,
@@ -244,6 +238,7 @@ def per_block_cast(
     """
     bm, bk = _check(OP, x, fmt, block_size)
     layout = sf_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    t, h = x.shape
     if x.device.type != "cuda":
         from . import reference
 
@@ -251,9 +246,8 @@ def per_block_cast(
             x, fmt, (bm, bk), round_sf=round_sf,
             use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
         )
-        return (data if out is None else _data_out(OP, x, fmt, out).copy_(data)), sf
-    t, h = x.shape
-    out = _data_out(OP, x, fmt, out)
+        return (data if out is None else data_out(OP, out, fmt, t, h, x.device).copy_(data)), sf
+    out = data_out(OP, out, fmt, t, h, x.device)
     flat, sf = alloc_sf_storage(ceil_div(t, bm), ceil_div(h, bk), layout, x.device)
     if t:
         per_block_cast_(x, out, flat, fmt, bm, bk, layout, bool(round_sf), get_amax_clamp(fmt))
@@ -318,8 +312,8 @@ def per_block_cast_with_precomputed_sf(
         from . import reference
 
         data = reference.cast(x, fmt, (bm, bk), sf=sf)
-        return data if out is None else _data_out(op, x, fmt, out).copy_(data)
-    out = _data_out(op, x, fmt, out)
+        return data if out is None else data_out(op, out, fmt, t, h, x.device).copy_(data)
+    out = data_out(op, out, fmt, t, h, x.device)
     if t:
         per_block_cast_precomputed_(x, out, sf, fmt, bm, bk)
     return out

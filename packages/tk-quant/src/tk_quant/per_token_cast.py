@@ -53,11 +53,11 @@ from . import _tl, reference
 from ._tl import ue8m0_byte
 from .common import (
     FMT_MAX,
-    alloc_data,
     alloc_sf_out,
     amax_clamp,
-    check_out,
     check_quant_input,
+    data_out,
+    int32_bits,
     sf_kernel_args,
     sf_kind,
     sf_out_layout,
@@ -457,7 +457,7 @@ def _per_token_cast_op(
         y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
     else:
         y = out.view(-1) if fmt == "e4m3" else out.view(-1).view(torch.int32)
-    k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min, seed - 2**32 if seed >= 2**31 else seed)  # the bits as an int32
+    k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min, int32_bits(seed))
 
 
 @device_op("tk_quant::per_token_cast_and_cast_back_", mutates_args=("x",))
@@ -551,11 +551,8 @@ def per_token_cast(
     if device.type != "cuda":
         data, sf = reference.cast(x, fmt, (1, num_per_channels), None, x_block_size, round_sf,
                                   use_tma_aligned_col_major_sf, use_packed_ue8m0, use_e4m3_sf, stochastic_seed=seed)
-        if out is not None:
-            check_out(op, out, fmt, t, h, device).copy_(data)
-            data = out
-        return data, sf
-    data = alloc_data(fmt, t, h, device) if out is None else check_out(op, out, fmt, t, h, device)
+        return (data if out is None else data_out(op, out, fmt, t, h, device).copy_(data)), sf
+    data = data_out(op, out, fmt, t, h, device)
     sf = alloc_sf_out(t, ceil_div(h, num_per_channels), layout, device, e4m3_sf=use_e4m3_sf)
     if t:
         xd, xsf = (q.data, q.sf) if q is not None else (x, None)
@@ -647,11 +644,8 @@ def per_token_cast_with_precomputed_sf(
         fail(op, "sf", f"of shape {want} on {device}", f"shape {tuple(sf.shape)} on {sf.device}")
     if device.type != "cuda":
         data = reference.cast(x, fmt, (1, num_per_channels), sf, stochastic_seed=seed)
-        if out is not None:
-            check_out(op, out, fmt, t, h, device).copy_(data)
-            data = out
-        return data
-    data = alloc_data(fmt, t, h, device) if out is None else check_out(op, out, fmt, t, h, device)
+        return data if out is None else data_out(op, out, fmt, t, h, device).copy_(data)
+    data = data_out(op, out, fmt, t, h, device)
     if t:
         # The kernel reads dequant scales as row-major fp32; any other layout is decoded first.
         sf = sf_to_row_major(sf, nk)

@@ -20,7 +20,7 @@ import torch
 from tk_core.checks import check_dtype, check_ndim, fail
 
 from . import reference
-from .common import alloc_data, alloc_sf_out, amax_clamp, check_out, sf_out_layout
+from .common import alloc_sf_out, amax_clamp, data_out, sf_out_layout
 from .per_token_cast import _per_token_cast_op
 
 
@@ -48,11 +48,8 @@ def per_token_cast_to_e5m6(
     layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     if x.device.type != "cuda":
         data, sf = reference.cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-        if out is not None:
-            check_out(op, out, "e5m6", t, h, x.device).copy_(data)
-            data = out
-        return data, sf
-    data = alloc_data("e5m6", t, h, x.device) if out is None else check_out(op, out, "e5m6", t, h, x.device)
+        return (data if out is None else data_out(op, out, "e5m6", t, h, x.device).copy_(data)), sf
+    data = data_out(op, out, "e5m6", t, h, x.device)
     sf = alloc_sf_out(t, h // num_per_channels, layout, x.device)
     if t:
         _per_token_cast_op(x, None, data, sf, "e5m6", num_per_channels, 1, 16, bool(round_sf), "cast", amax_clamp("e5m6"), False, 0)
