@@ -74,12 +74,14 @@ def alloc_sf(nm: int, nk: int, layout: str, device) -> torch.Tensor:
 def sf_to_layout(sf: torch.Tensor, layout: str) -> torch.Tensor:
     """Row-major float32 ``(nm, nk)`` -> the same scales in ``layout``; padding is zero."""
     nm, nk = sf.shape
-    out = alloc_sf(nm, nk, layout, sf.device)
-    out.copy_(pack_ue8m0(encode_ue8m0(sf)) if layout == "packed" else sf)
-    if layout != "row":  # zero the alignment padding of the column-major storage
-        storage = out.t()
-        storage.as_strided((storage.shape[0], align(nm, 4)), (storage.stride(0), 1))[:, nm:] = 0
-    return out
+    if layout == "row":
+        return sf.to(torch.float32, copy=True)
+    values = pack_ue8m0(encode_ue8m0(sf)) if layout == "packed" else sf.float()
+    # column-major storage built whole (zeros, then the scales): no write through an as_strided view, which
+    # torch.compile cannot functionalise
+    storage = values.new_zeros((values.shape[1], align(nm, 4)))
+    storage[:, :nm] = values.t()
+    return storage[:, :nm].t()
 
 
 def sf_layout_of(sf: torch.Tensor) -> str:
