@@ -220,11 +220,17 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def int32_bits(v: int) -> int:
+    """An unsigned 32-bit value as the int32 of the same bits (kernels take int32 scalars; torch.compile's Triton
+    code adds Python constants to int32 indices, where a constant of 2**31 or more does not compile)."""
+    return v - 2**32 if v >= 2**31 else v
+
+
 def stochastic_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``SR_BITS`` random bits (int64) for the elements at ``(rows, cols)`` (broadcast) of a 2-D tensor, one hash
     per pair of columns: ``h = hash32(hash32(row + seed * 0x9E3779B9) + col // 2)`` in 32-bit unsigned arithmetic;
     an even column takes the low 16 bits of ``h``, an odd one the high 16."""
-    row_key = hash32(rows.to(torch.int64) + (seed * _GOLDEN & _MASK32))
+    row_key = hash32(rows.to(torch.int64) + int32_bits(seed * _GOLDEN & _MASK32))  # hash32 reduces mod 2**32
     cols = cols.to(torch.int64)
     return (hash32(row_key + (cols >> 1)) >> (16 * (cols & 1))) & 0xFFFF
 

@@ -15,7 +15,6 @@ API (import from ``tk_quant.common``):
 - ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast; ``data_out(op, out, fmt, t, h,
   device)``: that, or the caller's preallocated ``out`` once checked (dtype, shape, contiguous, 16-byte aligned,
   device).
-- ``int32_bits(v)``: an unsigned 32-bit value as the int32 of the same bits (kernels take int32 scalars).
 - ``alloc_sf_out(nm, nk, layout, device, e4m3_sf=False)``: the SF output (``tk_core.layout.alloc_sf``; with
   ``e4m3_sf`` a float8_e4m3fn ``(nm, nk)``, row-major, or column-major with 16-byte aligned columns).
 - ``sf_kind(sf)``: ``"fp32"`` (any strides), ``"packed"`` (int32 UE8M0) or ``"e4m3"`` (float8_e4m3fn scales).
@@ -112,10 +111,6 @@ def data_out(op: str, out, fmt: str, t: int, h: int, device) -> torch.Tensor:
         fail(op, "out", f"a contiguous 16-byte aligned tensor of shape {shape} on {device}",
              f"shape {tuple(out.shape)}, strides {tuple(out.stride())} on {out.device}")
     return out
-
-
-def int32_bits(v: int) -> int:
-    return v - 2**32 if v >= 2**31 else v
 
 
 def alloc_sf_out(nm: int, nk: int, layout: str, device, e4m3_sf: bool = False) -> torch.Tensor:

@@ -22,12 +22,13 @@ import tilelang.language as T
 import torch
 
 from tk_core.checks import fail
+from tk_core.formats import int32_bits
 from tk_core.jit import kernel
 from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
 from . import _tl, reference
-from .common import int32_bits, stochastic_seed
+from .common import stochastic_seed
 
 THREADS = 256
 VEC = 8  # elements per thread

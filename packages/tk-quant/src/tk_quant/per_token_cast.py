@@ -45,6 +45,7 @@ import tilelang.language as T
 import torch
 
 from tk_core.checks import check_dtype, check_ndim, fail
+from tk_core.formats import int32_bits
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
@@ -57,7 +58,6 @@ from .common import (
     amax_clamp,
     check_quant_input,
     data_out,
-    int32_bits,
     sf_kernel_args,
     sf_kind,
     sf_out_layout,
