@@ -12,7 +12,7 @@ import torch
 
 import tk_quant
 import tk_transpose
-from tk_core.testing import assert_equal, calc_diff, generate_fused_mapping, generate_topk_idx
+from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph, generate_fused_mapping, generate_topk_idx
 
 HIDDEN, INTER, EXPERTS, TOPK = 512, 256, 4, 2
 
@@ -73,11 +73,7 @@ def test_moe_fp8_layer_on_gpu_matches_cpu_and_captures():
     assert_equal(act_q_same[1].cpu(), act_q_cpu[1])
     compiled = torch.compile(expert_layer, fullgraph=True)
     assert_equal(compiled(*layer)[0], out)
-    static_out = expert_layer(*layer)[0]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out.copy_(expert_layer(*layer)[0])
+    replay, (static_out, *_) = capture_cuda_graph(lambda: expert_layer(*layer))
     static_out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay()
     assert_equal(static_out, out)

@@ -11,7 +11,7 @@ import torch
 
 from tk_core import jit
 from tk_core.library import device_op
-from tk_core.testing import assert_equal, count_bytes
+from tk_core.testing import assert_equal, capture_cuda_graph, count_bytes
 from tk_core.testing.compile_check import assert_compiles, dynamic_smem_bytes
 
 
@@ -109,14 +109,10 @@ def test_device_op_opcheck_compile_and_graph():
     compiled = torch.compile(scale, fullgraph=True)
     assert_equal(compiled(x, 0.5), reference(x, 0.5))
     y = torch.full_like(x, float("nan"))
-    scale_rows_op(x, y, 0.25)  # compile outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        scale_rows_op(x, y, 0.25)
+    replay, _ = capture_cuda_graph(lambda: scale_rows_op(x, y, 0.25))
     y.fill_(float("nan"))
     x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.cuda.synchronize()
+    replay()
     assert_equal(y, reference(x, 0.25))
 
 

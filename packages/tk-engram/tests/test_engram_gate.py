@@ -8,7 +8,7 @@ import torch
 import tk_engram
 from tk_core import config
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, calc_diff
+from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph
 from tk_core.testing.compile_check import assert_compiles
 from tk_engram import gate as gate_mod
 from tk_engram import reference
@@ -629,19 +629,11 @@ def test_gpu_cuda_graph_capture():
         tk_engram.grad_w_reduce(grads[3], wh, we, gwh, gwe)
         return out, grads
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        eager_out, eager_grads = step()  # warm-up: compiles, allocates
-    torch.cuda.current_stream().wait_stream(s)
-    gwh.zero_()
+    replay, (out, grads) = capture_cuda_graph(step)
+    gwh.zero_()  # the warm-up call added into them
     gwe.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, grads = step()
     x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay()
     ref_out, *ref_saved = tk_engram.engram_gate_fwd(x, k, v, w, EPS, CLAMP)
     assert_equal(out, ref_out)
     ref_grads = tk_engram.engram_gate_bwd(G, x, k, v, w, *ref_saved, CLAMP)

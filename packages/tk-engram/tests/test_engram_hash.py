@@ -5,7 +5,7 @@ import torch
 
 import tk_engram
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, generate_num_tokens
+from tk_core.testing import assert_equal, capture_cuda_graph, generate_num_tokens
 from tk_core.testing.compile_check import assert_compiles
 from tk_engram import reference
 from tk_engram.hash import _engram_hash_op, engram_hash_kernel
@@ -143,10 +143,7 @@ def test_gpu_opcheck_and_compile():
     torch.library.opcheck(_engram_hash_op.op, (ids, mult, vocab, offsets, out))
     compiled = torch.compile(tk_engram.engram_hash, fullgraph=True)
     assert_equal(compiled(ids, mult, vocab, offsets), reference.engram_hash_ref(ids, mult, vocab, offsets))
-    g = torch.cuda.CUDAGraph()
-    tk_engram.engram_hash(ids, mult, vocab, offsets)
-    with torch.cuda.graph(g):
-        res = tk_engram.engram_hash(ids, mult, vocab, offsets)
+    replay, res = capture_cuda_graph(lambda: tk_engram.engram_hash(ids, mult, vocab, offsets))
     ids.copy_(torch.randint_like(ids, 0, 100_000))
-    g.replay()
+    replay()
     assert_equal(res, reference.engram_hash_ref(ids, mult, vocab, offsets))

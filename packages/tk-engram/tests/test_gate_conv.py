@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, calc_diff
+from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph
 from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes
 from tk_engram import (
     EngramDecodeFwdOp,
@@ -512,13 +512,13 @@ def test_gpu_opcheck_compile_and_cuda_graph(d):
     cb = torch.compile(engram_gate_conv_bwd, fullgraph=True)(dY, *x, *fw[2:6])
     for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), cb, strict=False):
         assert_equal(a, b)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out = engram_gate_conv_fwd(*x)
-        g_bwd = engram_gate_conv_bwd(dY, *x, *g_out[2:6])
-    graph.replay()
-    torch.cuda.synchronize()
+
+    def step():
+        out = engram_gate_conv_fwd(*x)
+        return out, engram_gate_conv_bwd(dY, *x, *out[2:6])
+
+    replay, (g_out, g_bwd) = capture_cuda_graph(step)
+    replay()
     for a, b in zip(eager, g_out, strict=False):
         assert_equal(a, b)
     for a, b in zip(engram_gate_conv_bwd(dY, *x, *fw[2:6]), g_bwd, strict=False):
@@ -601,12 +601,8 @@ def test_gpu_decode_opcheck_compile_graph():
     y2 = torch.compile(engram_decode_step, fullgraph=True)(e, h, s2, pos, WK, WV, wh, wv, cw)
     assert_equal(y1, y2)
     assert_equal(s1, s2)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y3 = engram_decode_step(e, h, s3, pos, WK, WV, wh, wv, cw)
+    replay, y3 = capture_cuda_graph(lambda: engram_decode_step(e, h, s3, pos, WK, WV, wh, wv, cw))
     s3.copy_(state)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay()
     assert_equal(y1, y3)
     assert_equal(s1, s3)

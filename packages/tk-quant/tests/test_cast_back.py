@@ -6,7 +6,7 @@ import torch
 import tk_quant
 from tk_core.formats import decode_e2m1, unpack_e2m1
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, calc_diff, opcheck
+from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph, opcheck
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference
 from tk_quant.cast_back import cast_back_kernel
@@ -163,10 +163,7 @@ def test_gpu_opcheck_compile_and_graph():
 
     assert_equal(torch.compile(f, fullgraph=True)(*q), f(*q))
     d, s = q[0].clone(), q[1]
-    f(d, s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gy = f(d, s)
+    replay, gy = capture_cuda_graph(lambda: f(d, s))
     d.copy_(reference.cast(torch.randn_like(x), "e2m1", (1, 128))[0])
-    g.replay()
+    replay()
     assert_equal(gy, f(d, s))

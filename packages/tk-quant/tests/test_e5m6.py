@@ -6,7 +6,7 @@ import torch
 import tk_quant
 from tk_core.formats import decode_e5m6, encode_e5m6, pack_e5m6, reinterpret, unpack_e5m6
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, calc_diff
+from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph
 from tk_core.testing.compile_check import assert_compiles
 from tk_core.testing.generators import generate_e5m6_inputs
 from tk_quant import reference
@@ -193,10 +193,7 @@ def test_gpu_e5m6_strided_rows_and_graph():
 
     xc = x.contiguous()
     assert_equal(torch.compile(f, fullgraph=True)(xc), f(xc))
-    f(xc)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gy = f(xc)
+    replay, gy = capture_cuda_graph(lambda: f(xc))
     xc.copy_(torch.randn_like(xc))
-    g.replay()
+    replay()
     assert_equal(gy, f(xc))

@@ -10,7 +10,7 @@ import torch
 import tk_quant
 from tk_core.formats import encode_e4m3, stochastic_bits
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, opcheck
+from tk_core.testing import assert_equal, capture_cuda_graph, opcheck
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference
 from tk_quant.elementwise_cast import cast_, cast_kernel
@@ -148,10 +148,7 @@ def test_gpu_opcheck_compile_and_graph():
 
     assert_equal(torch.compile(f, fullgraph=True)(x), f(x))
     static_x = x.clone()
-    f(static_x)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gy = f(static_x)
+    replay, gy = capture_cuda_graph(lambda: f(static_x))
     static_x.copy_(torch.randn_like(x))
-    g.replay()
+    replay()
     assert_equal(gy, f(static_x))

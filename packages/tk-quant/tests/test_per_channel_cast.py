@@ -5,7 +5,7 @@ import torch
 
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal, opcheck
+from tk_core.testing import assert_equal, capture_cuda_graph, opcheck
 from tk_quant import reference
 from tk_quant.per_channel_cast import (
     per_channel_cast,
@@ -187,11 +187,9 @@ def test_opcheck_compile_graph():
     ref2 = per_channel_cast_fused(x, "e4m3", 128, pos_to_token=pos)
     got2 = torch.compile(lambda v, p: per_channel_cast_fused(v, "e4m3", 128, pos_to_token=p, check=False), fullgraph=True)(x, pos)
     assert_equal(got2[0], ref2[0]) and assert_equal(got2[1], ref2[1])
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        res = per_channel_cast(x, "e4m3", 128, False)
-        res2 = per_channel_cast_fused(x, "e4m3", 128, pos_to_token=pos, check=False)
-    g.replay()
-    torch.cuda.synchronize()
+    replay, (res, res2) = capture_cuda_graph(
+        lambda: (per_channel_cast(x, "e4m3", 128, False), per_channel_cast_fused(x, "e4m3", 128, pos_to_token=pos, check=False))
+    )
+    replay()
     ref3 = per_channel_cast(x, "e4m3", 128, False)
     assert_equal(res[0], ref3[0]) and assert_equal(res2[0], ref2[0])

@@ -18,7 +18,7 @@ from tk_core.formats import (
 )
 from tk_core.jit import ARCHS
 from tk_core.layout import align, ceil_div
-from tk_core.testing import assert_equal, check_bias, opcheck
+from tk_core.testing import assert_equal, capture_cuda_graph, check_bias, opcheck
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference
 from tk_quant.common import decode_sf
@@ -547,16 +547,11 @@ def test_gpu_opcheck_compile_and_graph():
     assert_equal(cs.contiguous(), es.contiguous())
 
     static_x = x.clone()
-    f(static_x)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gd, gs = f(static_x)
-    g_sr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g_sr):
-        gsr = f_sr(static_x)[0]
+    replay, (gd, gs) = capture_cuda_graph(lambda: f(static_x))
+    replay_sr, gsr = capture_cuda_graph(lambda: f_sr(static_x)[0])
     static_x.copy_(torch.randn_like(x))
-    g.replay()
-    g_sr.replay()
+    replay()
+    replay_sr()
     rd, rs = f(static_x)
     assert_equal(gd, rd)
     assert_equal(gs.contiguous(), rs.contiguous())

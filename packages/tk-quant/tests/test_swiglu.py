@@ -11,7 +11,15 @@ import tk_quant
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.layout import sf_to_row_major
-from tk_core.testing import assert_equal, calc_diff, full_test, generate_fused_mapping, generate_topk_idx, opcheck
+from tk_core.testing import (
+    assert_equal,
+    calc_diff,
+    capture_cuda_graph,
+    full_test,
+    generate_fused_mapping,
+    generate_topk_idx,
+    opcheck,
+)
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import reference as R
 from tk_quant import swiglu as S
@@ -694,13 +702,9 @@ def test_gpu_forward_per_token_opcheck_compile_graph():
     assert_equal(compiled[1], eager[1])
     assert_equal(c1, c2)
     c3 = torch.zeros_like(cnt)
-    f(x, pe, ptt, w, c3)  # warm up outside the capture
-    c3.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = f(x, pe, ptt, w, c3)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay, captured = capture_cuda_graph(lambda: f(x, pe, ptt, w, c3))
+    c3.zero_()  # the warm-up call counted into it
+    replay()
     assert_equal(captured[0], eager[0])
     assert_equal(captured[1], eager[1])
     assert_equal(c3, c1)
@@ -827,12 +831,8 @@ def test_gpu_backward_opcheck_compile_graph():
     compiled = torch.compile(f, fullgraph=True)(q[0], q[1], grad, weight, ptt, ttp)
     for a, b in zip(compiled, eager, strict=True):
         assert_equal(a, b)
-    f(q[0], q[1], grad, weight, ptt, ttp)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = f(q[0], q[1], grad, weight, ptt, ttp)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay, captured = capture_cuda_graph(lambda: f(q[0], q[1], grad, weight, ptt, ttp))
+    replay()
     for a, b in zip(captured, eager, strict=True):
         assert_equal(a, b)
 
@@ -904,12 +904,8 @@ def test_gpu_forward_per_channel_opcheck_compile_graph():
     compiled = torch.compile(f, fullgraph=True)(x)
     assert_equal(compiled[0], eager[0])
     assert_equal(compiled[1], eager[1])
-    f(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = f(x)
-    graph.replay()
-    torch.cuda.synchronize()
+    replay, captured = capture_cuda_graph(lambda: f(x))
+    replay()
     assert_equal(captured[0], eager[0])
     assert_equal(captured[1], eager[1])
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tk_core.jit import ARCHS
-from tk_core.testing import assert_equal
+from tk_core.testing import assert_equal, capture_cuda_graph
 from tk_core.testing.compile_check import assert_compiles
 from tk_transpose import SUPPORTED_DTYPES, batched_transpose, reference, transpose
 from tk_transpose.transpose import _batched_transpose_op, transpose_kernel, transpose_shared_kernel
@@ -192,12 +192,8 @@ def test_opcheck_compile_and_cuda_graph():
     compiled = torch.compile(transpose, fullgraph=True)
     assert_equal(compiled(x[0]), reference.transpose(x[0]))
     out = torch.empty(2, 320, 192, dtype=x.dtype, device="cuda")
-    batched_transpose(x, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        batched_transpose(x, out=out)
+    replay, _ = capture_cuda_graph(lambda: batched_transpose(x, out=out))
     x.copy_(random_tensor(x.shape, x.dtype, "cuda"))
     out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    replay()
     assert_equal(out, reference.batched_transpose(x))

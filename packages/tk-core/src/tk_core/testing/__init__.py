@@ -10,11 +10,12 @@ from .generators import (
     generate_rand_float,
     generate_topk_idx,
 )
-from .numeric import assert_equal, calc_diff, check_bias, count_bytes, opcheck
+from .numeric import assert_equal, calc_diff, capture_cuda_graph, check_bias, count_bytes, opcheck
 
 __all__ = [
     "assert_equal",
     "calc_diff",
+    "capture_cuda_graph",
     "check_bias",
     "count_bytes",
     "full_test",

@@ -97,3 +97,26 @@ def opcheck(op, args: tuple, kwargs: dict | None = None):
     if any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in tensors):
         utils = utils[1:]
     return torch.library.opcheck(op, args, kwargs, test_utils=utils)
+
+
+def capture_cuda_graph(fn):
+    """Captures one call of ``fn()`` into a CUDA graph and returns ``(replay, outputs)``.
+
+    ``fn`` runs once first on a side stream (TileLang compiles and torch's allocator warms up outside the
+    capture, as CUDA graphs require); ``outputs`` are the captured call's results, static buffers that each
+    ``replay()`` (graph replay, then a device synchronize) rewrites from the inputs' current contents.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return replay, outputs
