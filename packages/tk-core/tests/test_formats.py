@@ -206,6 +206,15 @@ def test_hash32_and_stochastic_bits_match_python_integers():
     assert not torch.equal(formats.stochastic_bits(1, rows, cols), formats.stochastic_bits(2, rows, cols))
 
 
+@pytest.mark.parametrize("rows,cols", [(0, 0), (0, 7), (3, 0), (1, 1), (5, 7), (33, 577), (2, 7168)])
+def test_stochastic_bits_grid_equals_elementwise(rows, cols):
+    for seed in (0, 12, 2**31, 2**32 - 1):
+        grid = formats.stochastic_bits_grid(seed, rows, cols)
+        each = formats.stochastic_bits(seed, torch.arange(rows)[:, None], torch.arange(cols)[None, :])
+        assert grid.shape == (rows, cols) and grid.dtype == torch.int64
+        assert torch.equal(grid, each.expand(rows, cols))
+
+
 def sr_grid(fmt: str) -> list[float]:
     """Non-negative grid magnitudes of ``fmt``, one binade past the largest value (the unsaturated neighbours)."""
     if fmt == "e2m1":

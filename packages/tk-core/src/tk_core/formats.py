@@ -235,6 +235,14 @@ def stochastic_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.
     return (hash32(row_key + (cols >> 1)) >> (16 * (cols & 1))) & 0xFFFF
 
 
+def stochastic_bits_grid(seed: int, rows: int, cols: int, device=None) -> torch.Tensor:
+    """``stochastic_bits(seed, i, j)`` for every element ``(i, j)`` of a ``(rows, cols)`` grid (int64), with one hash per
+    column pair instead of one per element and the row keys hashed once per row: what the references use."""
+    row_key = hash32(torch.arange(rows, device=device) + int32_bits(seed * _GOLDEN & _MASK32))[:, None]
+    pairs = hash32(row_key + torch.arange((cols + 1) // 2, device=device))
+    return torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).view(rows, 2 * pairs.shape[1])[:, :cols]
+
+
 def round_stochastic(y: torch.Tensor, fmt: str, r: torch.Tensor) -> torch.Tensor:
     """float32 ``y`` rounded to a neighbour on ``fmt``'s grid (without saturation; encode the result with
     ``encode_e4m3`` / ``encode_e2m1`` / ``.to(torch.bfloat16)``, which are then exact but for saturation or

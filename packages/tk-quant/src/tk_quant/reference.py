@@ -15,7 +15,7 @@ from tk_core.formats import (  # noqa: E402
     pack_e2m1,
     pack_e5m6,
     round_stochastic,
-    stochastic_bits,
+    stochastic_bits_grid,
     unpack_e5m6,
 )
 from tk_core.layout import ceil_div, sf_to_layout  # noqa: E402
@@ -110,9 +110,7 @@ def cast(
     mult = expand_sf(sf_inv, t, h, bm, bk)
     y = base * (s_in * mult) if s_in is not None else base * mult
     if stochastic_seed is not None:
-        rows = torch.arange(t, device=y.device)[:, None]
-        cols = torch.arange(h, device=y.device)[None, :]
-        y = round_stochastic(y, fmt, stochastic_bits(stochastic_seed, rows, cols))
+        y = round_stochastic(y, fmt, stochastic_bits_grid(stochastic_seed, t, h, y.device))
     data = encode_e4m3(y) if fmt == "e4m3" else pack_e2m1(encode_e2m1(y))
     if sf is not None:
         return data
@@ -133,9 +131,11 @@ def elementwise_cast(x: torch.Tensor, dtype: torch.dtype, stochastic_seed: int |
     with the bits ``stochastic_bits(stochastic_seed, i >> 32, i % 2**32)`` of flat element ``i`` first."""
     y = x.float()
     if stochastic_seed is not None:
-        i = torch.arange(x.numel(), device=x.device, dtype=torch.int64)
+        n = x.numel()
         fmt = "bf16" if dtype == torch.bfloat16 else "e4m3"
-        y = round_stochastic(y.reshape(-1), fmt, stochastic_bits(stochastic_seed, i >> 32, i & 0xFFFFFFFF)).view(x.shape)
+        # flat element i is grid element (i >> 32, i % 2**32)
+        bits = stochastic_bits_grid(stochastic_seed, -(-n // 2**32), min(n, 2**32), x.device).reshape(-1)[:n]
+        y = round_stochastic(y.reshape(-1), fmt, bits).view(x.shape)
     return y.to(torch.bfloat16) if dtype == torch.bfloat16 else encode_e4m3(y)
 
 
