@@ -226,20 +226,24 @@ def int32_bits(v: int) -> int:
     return v - 2**32 if v >= 2**31 else v
 
 
+def _row_keys(seed: int, rows: torch.Tensor) -> torch.Tensor:
+    """``hash32(row + seed * 0x9E3779B9)``; the seed term as a signed 32-bit constant (hash32 reduces mod 2**32)."""
+    return hash32(rows.to(torch.int64) + int32_bits(seed * _GOLDEN & _MASK32))
+
+
 def stochastic_bits(seed: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``SR_BITS`` random bits (int64) for the elements at ``(rows, cols)`` (broadcast) of a 2-D tensor, one hash
     per pair of columns: ``h = hash32(hash32(row + seed * 0x9E3779B9) + col // 2)`` in 32-bit unsigned arithmetic;
     an even column takes the low 16 bits of ``h``, an odd one the high 16."""
-    row_key = hash32(rows.to(torch.int64) + int32_bits(seed * _GOLDEN & _MASK32))  # hash32 reduces mod 2**32
     cols = cols.to(torch.int64)
-    return (hash32(row_key + (cols >> 1)) >> (16 * (cols & 1))) & 0xFFFF
+    return (hash32(_row_keys(seed, rows) + (cols >> 1)) >> (16 * (cols & 1))) & 0xFFFF
 
 
 def stochastic_bits_grid(seed: int, rows: int, cols: int, device=None) -> torch.Tensor:
     """``stochastic_bits(seed, i, j)`` for every element ``(i, j)`` of a ``(rows, cols)`` grid (int64), with one hash per
     column pair instead of one per element and the row keys hashed once per row: what the references use."""
-    row_key = hash32(torch.arange(rows, device=device) + int32_bits(seed * _GOLDEN & _MASK32))[:, None]
-    pairs = hash32(row_key + torch.arange((cols + 1) // 2, device=device))
+    row_keys = _row_keys(seed, torch.arange(rows, device=device))[:, None]
+    pairs = hash32(row_keys + torch.arange((cols + 1) // 2, device=device))
     return torch.stack((pairs & 0xFFFF, pairs >> 16), dim=-1).view(rows, 2 * pairs.shape[1])[:, :cols]
 
 

@@ -14,7 +14,7 @@ API (import from ``tk_quant.common``):
   rounding (``None`` without it); ``seed=None`` draws one from torch's default CPU generator.
 - ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast; ``data_out(op, out, fmt, t, h,
   device)``: that, or the caller's preallocated ``out`` once checked (dtype, shape, contiguous, 16-byte aligned,
-  device).
+  device); ``data_from_reference(op, out, data, fmt, t, h, device)``: the reference's data, or ``out`` holding it.
 - ``alloc_sf_out(nm, nk, layout, device, e4m3_sf=False)``: the SF output (``tk_core.layout.alloc_sf``; with
   ``e4m3_sf`` a float8_e4m3fn ``(nm, nk)``, row-major, or column-major with 16-byte aligned columns).
 - ``sf_kind(sf)``: ``"fp32"`` (any strides), ``"packed"`` (int32 UE8M0) or ``"e4m3"`` (float8_e4m3fn scales).
@@ -111,6 +111,12 @@ def data_out(op: str, out, fmt: str, t: int, h: int, device) -> torch.Tensor:
         fail(op, "out", f"a contiguous 16-byte aligned tensor of shape {shape} on {device}",
              f"shape {tuple(out.shape)}, strides {tuple(out.stride())} on {out.device}")
     return out
+
+
+def data_from_reference(op: str, out, data: torch.Tensor, fmt: str, t: int, h: int, device) -> torch.Tensor:
+    """The CPU path of a cast with ``out=``: the reference's ``data``, or ``out`` (checked as by ``data_out``)
+    holding it."""
+    return data if out is None else data_out(op, out, fmt, t, h, device).copy_(data)
 
 
 def alloc_sf_out(nm: int, nk: int, layout: str, device, e4m3_sf: bool = False) -> torch.Tensor:

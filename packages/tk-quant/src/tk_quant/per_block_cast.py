@@ -39,7 +39,7 @@ from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 
 from . import _tl
-from .common import data_out
+from .common import data_from_reference, data_out
 
 OP = "per_block_cast"
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -246,7 +246,7 @@ def per_block_cast(
             x, fmt, (bm, bk), round_sf=round_sf,
             use_tma_aligned_col_major_sf=use_tma_aligned_col_major_sf, use_packed_ue8m0=use_packed_ue8m0,
         )
-        return (data if out is None else data_out(OP, out, fmt, t, h, x.device).copy_(data)), sf
+        return data_from_reference(OP, out, data, fmt, t, h, x.device), sf
     out = data_out(OP, out, fmt, t, h, x.device)
     flat, sf = alloc_sf_storage(ceil_div(t, bm), ceil_div(h, bk), layout, x.device)
     if t:
@@ -312,7 +312,7 @@ def per_block_cast_with_precomputed_sf(
         from . import reference
 
         data = reference.cast(x, fmt, (bm, bk), sf=sf)
-        return data if out is None else data_out(op, out, fmt, t, h, x.device).copy_(data)
+        return data_from_reference(op, out, data, fmt, t, h, x.device)
     out = data_out(op, out, fmt, t, h, x.device)
     if t:
         per_block_cast_precomputed_(x, out, sf, fmt, bm, bk)

@@ -57,6 +57,7 @@ from .common import (
     alloc_sf_out,
     amax_clamp,
     check_quant_input,
+    data_from_reference,
     data_out,
     sf_kernel_args,
     sf_kind,
@@ -551,7 +552,7 @@ def per_token_cast(
     if device.type != "cuda":
         data, sf = reference.cast(x, fmt, (1, num_per_channels), None, x_block_size, round_sf,
                                   use_tma_aligned_col_major_sf, use_packed_ue8m0, use_e4m3_sf, stochastic_seed=seed)
-        return (data if out is None else data_out(op, out, fmt, t, h, device).copy_(data)), sf
+        return data_from_reference(op, out, data, fmt, t, h, device), sf
     data = data_out(op, out, fmt, t, h, device)
     sf = alloc_sf_out(t, ceil_div(h, num_per_channels), layout, device, e4m3_sf=use_e4m3_sf)
     if t:
@@ -644,7 +645,7 @@ def per_token_cast_with_precomputed_sf(
         fail(op, "sf", f"of shape {want} on {device}", f"shape {tuple(sf.shape)} on {sf.device}")
     if device.type != "cuda":
         data = reference.cast(x, fmt, (1, num_per_channels), sf, stochastic_seed=seed)
-        return data if out is None else data_out(op, out, fmt, t, h, device).copy_(data)
+        return data_from_reference(op, out, data, fmt, t, h, device)
     data = data_out(op, out, fmt, t, h, device)
     if t:
         # The kernel reads dequant scales as row-major fp32; any other layout is decoded first.

@@ -20,7 +20,7 @@ import torch
 from tk_core.checks import check_dtype, check_ndim, fail
 
 from . import reference
-from .common import alloc_sf_out, amax_clamp, data_out, sf_out_layout
+from .common import alloc_sf_out, amax_clamp, data_from_reference, data_out, sf_out_layout
 from .per_token_cast import _per_token_cast_op
 
 
@@ -48,7 +48,7 @@ def per_token_cast_to_e5m6(
     layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     if x.device.type != "cuda":
         data, sf = reference.cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0)
-        return (data if out is None else data_out(op, out, "e5m6", t, h, x.device).copy_(data)), sf
+        return data_from_reference(op, out, data, "e5m6", t, h, x.device), sf
     data = data_out(op, out, "e5m6", t, h, x.device)
     sf = alloc_sf_out(t, h // num_per_channels, layout, x.device)
     if t:

@@ -134,7 +134,7 @@ def elementwise_cast(x: torch.Tensor, dtype: torch.dtype, stochastic_seed: int |
         n = x.numel()
         fmt = "bf16" if dtype == torch.bfloat16 else "e4m3"
         # flat element i is grid element (i >> 32, i % 2**32)
-        bits = stochastic_bits_grid(stochastic_seed, -(-n // 2**32), min(n, 2**32), x.device).reshape(-1)[:n]
+        bits = stochastic_bits_grid(stochastic_seed, ceil_div(n, 2**32), min(n, 2**32), x.device).reshape(-1)[:n]
         y = round_stochastic(y.reshape(-1), fmt, bits).view(x.shape)
     return y.to(torch.bfloat16) if dtype == torch.bfloat16 else encode_e4m3(y)
 
