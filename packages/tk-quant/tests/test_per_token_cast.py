@@ -460,6 +460,23 @@ def test_gpu_special_values():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_gpu_stochastic_rounding_edge_values(fmt):
+    """Stochastic rounding of given values (unit scales): a dense sweep of [-16, 16], magnitudes from 2**-30 to
+    2**5, subnormals, zeros of both signs, the largest float, inf and NaN; bit-exact with the reference."""
+    g = torch.Generator().manual_seed(5)
+    sweep = torch.arange(-16 * 1024, 16 * 1024, dtype=torch.float32) / 1024
+    mags = torch.exp2(torch.rand(16384, generator=g) * 35 - 30) * torch.where(torch.rand(16384, generator=g) < 0.5, -1, 1)
+    specials = torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, -3.4e38, math.inf, -math.inf, math.nan, 5.99, 6.0, 6.01,
+                             0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 448.0, 464.0, 2.0**-9, 2.0**-7, -2.0**-10])
+    x = torch.cat([sweep, mags, specials.repeat(32)]).view(-1, 256).to(CUDA)
+    sf = torch.ones(x.shape[0], 256 // 32, device=CUDA)
+    for seed in (0, 7, 2**32 - 1):
+        d = tk_quant.per_token_cast_with_precomputed_sf(x, fmt, 32, sf, stochastic_rounding=True, seed=seed)
+        assert_equal(d.view(torch.uint8), reference.cast(x, fmt, (1, 32), sf, stochastic_seed=seed).view(torch.uint8))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", [0, 1, 1001])
 @pytest.mark.parametrize("h", [576, 7168])
 @pytest.mark.parametrize("in_dtype,fmt,bk,x_block_size", [

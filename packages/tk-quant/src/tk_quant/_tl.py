@@ -10,7 +10,8 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
   sm_90a and sm_100a agree and match the reference).
 - ``sf_offset``: the element offset of scale block ``(m, k)`` in the flat storage of an SF layout.
 - ``row_key`` / ``pair_bits`` / ``round_stochastic``: ``tk_core.formats.stochastic_bits`` (one hash per column
-  pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``.
+  pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``; ``stochastic_code_e2m1``:
+  ``encode_e2m1(round_stochastic(y, "e2m1", r))`` in one step.
 """
 
 import tilelang.language as T
@@ -126,6 +127,15 @@ __device__ __forceinline__ float tk_round_stochastic_e2m1(float y, unsigned r) {
 __device__ __forceinline__ float tk_round_stochastic_bf16(float y, unsigned r) {
   return tk_round_stochastic<16>(y, r, 0x1p-126f);
 }
+// The e2m1 code of tk_round_stochastic_e2m1(y, r) without the general encoder: the rounded magnitude's bits
+// above the one kept mantissa bit index the code grid directly (|y| < 1 through |y| + 1, whose exponent is 127).
+// Codes past 6, inf and NaN saturate to 7 as the encoder's; the sign bit is copied.
+__device__ __forceinline__ unsigned tk_stochastic_code_e2m1(float y, unsigned r) {
+  const float a = fabsf(y);
+  const bool small = a < 1.0f;
+  const unsigned m = (__float_as_uint(small ? __fadd_rn(a, 1.0f) : a) + (r << 6)) >> 22;
+  return min(m - (small ? 254u : 252u), 7u) | ((__float_as_uint(y) >> 28) & 8u);
+}
 """
 
 
@@ -133,3 +143,9 @@ def round_stochastic(y, fmt: str, r):
     """``tk_core.formats.round_stochastic`` of the float32 expression ``y`` with the 16 random bits ``r`` (uint32;
     the kernel's prelude must contain ``ROUND_STOCHASTIC``)."""
     return T.call_extern("float32", f"tk_round_stochastic_{fmt}", y, r)
+
+
+def stochastic_code_e2m1(y, r):
+    """``encode_e2m1(round_stochastic(y, "e2m1", r))`` (uint32 code 0..15) in about a third of the instructions
+    (the prelude must contain ``ROUND_STOCHASTIC``)."""
+    return T.call_extern("uint32", "tk_stochastic_code_e2m1", y, r)

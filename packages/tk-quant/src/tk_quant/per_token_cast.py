@@ -195,12 +195,19 @@ def per_token_cast_kernel(
     assert not (stochastic and fmt == "e5m6")
     prelude = (_F16X2_RZ if fmt == "e5m6" else "") + (_tl.ROUND_STOCHASTIC if stochastic else "") or None
 
+    def element_bits(bits, i):
+        """The 16 random bits of element ``i`` of a thread's vector: a half of its column pair's ``bits[i // 2]``."""
+        return T.bitwise_and(T.shift_right(bits[i // 2], 16 * (i % 2)), T.uint32(0xFFFF))
+
     def narrowed(y, bits, i):
         """The value the conversion of ``y`` (element ``i`` of a thread's vector) rounds: ``y`` itself, or its
-        stochastic rounding with the bits of its column pair ``bits[i // 2]``."""
-        if not stochastic:
-            return y
-        return _tl.round_stochastic(y, fmt, T.bitwise_and(T.shift_right(bits[i // 2], 16 * (i % 2)), T.uint32(0xFFFF)))
+        stochastic rounding."""
+        return _tl.round_stochastic(y, fmt, element_bits(bits, i)) if stochastic else y
+
+    def e2m1_code(y, bits, i):
+        """The e2m1 code (uint32) of ``y``, element ``i`` of a thread's vector: round to nearest even, or
+        stochastic rounding fused with the encoding (``_tl.stochastic_code_e2m1``)."""
+        return _tl.stochastic_code_e2m1(y, element_bits(bits, i)) if stochastic else _encode_e2m1(y)
 
     @T.prim_func
     def main(
@@ -339,7 +346,7 @@ def per_token_cast_kernel(
                     elif fmt == "e2m1":
                         c = T.alloc_local((V,), "uint32")
                         for i in T.unroll(V):
-                            c[i] = T.shift_left(_encode_e2m1(narrowed(xv[p, i] * m, pbits, i)), 4 * (i % 8))
+                            c[i] = T.shift_left(e2m1_code(xv[p, i] * m, pbits, i), 4 * (i % 8))
                         for j in T.unroll(2):
                             yv[p, j] = T.reinterpret(
                                 T.bitwise_or(
