@@ -19,6 +19,7 @@ import torch
 
 import tk_quant
 from tk_core.testing import count_bytes, generate_fused_mapping, generate_topk_idx
+from tk_core.testing.plugin import seed_for
 from tk_quant import reference
 
 IMPLS = ["tk", "torch", "torch.compile"]
@@ -26,6 +27,9 @@ MOE = dict(num_send_tokens=4001, num_topk=2, num_experts=9, num_ep_ranks=8)
 
 
 def moe_inputs(hidden: int, alignment: int):
+    """One routing and one input per ``(hidden, alignment)``, whatever the test id: the "tk", "torch" and
+    "torch.compile" rows of a case (and the clamp / pos_to_expert variants) time the same rows."""
+    torch.manual_seed(seed_for(f"bench_swiglu.moe_inputs[{hidden},{alignment}]"))
     idx = generate_topk_idx(MOE, device="cuda")
     pe, ptt, ttp = generate_fused_mapping(idx, MOE["num_experts"], alignment)
     x = torch.zeros((pe.numel(), 2 * hidden), dtype=torch.bfloat16, device="cuda")
