@@ -381,22 +381,6 @@ def swiglu_fwd_token_kernel(
     def span_of(gw):
         return T.truncmod(gw, wpr) if split else 0
 
-    @T.macro
-    def load_span(x, xg, xu, row, it, lane):
-        """The gate and up halves of span ``it`` of ``row`` (zeros past ``H``)."""
-        for c in T.unroll(UC):
-            col = it * span + c * (32 * VEC) + lane * VEC
-            if in_range(col):
-                for i in T.vectorized(VEC):
-                    xg[c, i] = x[row, col + i]
-                for i in T.vectorized(VEC):
-                    xu[c, i] = x[row, H + col + i]
-            else:
-                for i in T.vectorized(VEC):
-                    xg[c, i] = T.cast(0, in_dtype)
-                for i in T.vectorized(VEC):
-                    xu[c, i] = T.cast(0, in_dtype)
-
     @T.prim_func
     def main(
         x: T.Tensor((E, 2 * H), in_dtype),
@@ -444,10 +428,6 @@ def swiglu_fwd_token_kernel(
             it0 = ri[1]  # this warp's first span: it0 + j, j < spans
             st[0] = 0
             if row < E:
-                if split:
-                    # The span's loads go out before pos_to_expert[row] is known (a padding row's are wasted,
-                    # < 1 % of the rows at 16-row alignment): otherwise each warp waits for two latencies in series.
-                    load_span(x, xg, xu, row, it0, lane)
                 st[0] = 1
                 if has_pe != 0:
                     if pos_to_expert[row] < 0:
@@ -471,8 +451,18 @@ def swiglu_fwd_token_kernel(
                 for ph in T.serial(2 if row_mode else 1):
                     for j in T.serial(iters // wpr):
                         it = it0 + j
-                        if not split:
-                            load_span(x, xg, xu, row, it, lane)
+                        for c in T.unroll(UC):
+                            col = it * span + c * (32 * VEC) + lane * VEC
+                            if in_range(col):
+                                for i in T.vectorized(VEC):
+                                    xg[c, i] = x[row, col + i]
+                                for i in T.vectorized(VEC):
+                                    xu[c, i] = x[row, H + col + i]
+                            else:
+                                for i in T.vectorized(VEC):
+                                    xg[c, i] = T.cast(0, in_dtype)
+                                for i in T.vectorized(VEC):
+                                    xu[c, i] = T.cast(0, in_dtype)
                         if packed_cnt:
                             for c in T.unroll(UC):
                                 for k in T.unroll(VEC // 2):
