@@ -9,8 +9,8 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
 - ``encode_e2m1``: RNE on the e2m1 code grid, saturating at 6, NaN -> 7, sign bit copied (software, so
   sm_90a and sm_100a agree and match the reference).
 - ``sf_offset``: the element offset of scale block ``(m, k)`` in the flat storage of an SF layout.
-- ``row_key`` / ``pair_bits`` / ``round_stochastic``: ``tk_core.formats.stochastic_bits`` (one hash per column
-  pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``; ``stochastic_code_e2m1``:
+- ``row_key`` / ``pair_bits`` / ``element_bits`` / ``round_stochastic``: ``tk_core.formats.stochastic_bits`` (one
+  hash per column pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``; ``stochastic_code_e2m1``:
   ``encode_e2m1(round_stochastic(y, "e2m1", r))`` in one step.
 """
 
@@ -104,6 +104,12 @@ def pair_bits(key, col_pair):
     """The 32 random bits of the column pair ``col_pair`` (columns ``2 col_pair`` and ``2 col_pair + 1``) of the
     row with ``row_key`` ``key``: the even column's ``stochastic_bits`` are the low 16, the odd one's the high 16."""
     return _hash32(key + T.cast(col_pair, "uint32"))
+
+
+def element_bits(pair_words, i):
+    """The 16 random bits of element ``i`` of a run of columns that starts at an even column, from
+    ``pair_words[j]`` = ``pair_bits`` of its column pair ``j`` (the even column's are the low 16)."""
+    return T.bitwise_and(T.shift_right(pair_words[i // 2], 16 * (i % 2)), T.uint32(0xFFFF))
 
 
 # ``tk_core.formats.round_stochastic`` as device functions (TileLang lowers ``if_then_else`` to branches; these are

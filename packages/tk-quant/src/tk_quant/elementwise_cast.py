@@ -67,7 +67,7 @@ def cast_kernel(in_dtype: str, out_dtype: str, stochastic: bool):
             for k in T.unroll(VEC):
                 v = T.cast(xl[k], "float32")
                 if stochastic:
-                    v = _tl.round_stochastic(v, fmt, T.bitwise_and(T.shift_right(pb[k // 2], 16 * (k % 2)), T.uint32(0xFFFF)))
+                    v = _tl.round_stochastic(v, fmt, _tl.element_bits(pb, k))
                 yl[k] = T.cast(v, out_dtype)
             if i0 + VEC <= n:
                 for k in T.vectorized(VEC):

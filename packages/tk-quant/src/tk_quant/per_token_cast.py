@@ -195,19 +195,15 @@ def per_token_cast_kernel(
     assert not (stochastic and fmt == "e5m6")
     prelude = (_F16X2_RZ if fmt == "e5m6" else "") + (_tl.ROUND_STOCHASTIC if stochastic else "") or None
 
-    def element_bits(bits, i):
-        """The 16 random bits of element ``i`` of a thread's vector: a half of its column pair's ``bits[i // 2]``."""
-        return T.bitwise_and(T.shift_right(bits[i // 2], 16 * (i % 2)), T.uint32(0xFFFF))
-
     def narrowed(y, bits, i):
         """The value the conversion of ``y`` (element ``i`` of a thread's vector) rounds: ``y`` itself, or its
         stochastic rounding."""
-        return _tl.round_stochastic(y, fmt, element_bits(bits, i)) if stochastic else y
+        return _tl.round_stochastic(y, fmt, _tl.element_bits(bits, i)) if stochastic else y
 
     def e2m1_code(y, bits, i):
         """The e2m1 code (uint32) of ``y``, element ``i`` of a thread's vector: round to nearest even, or
         stochastic rounding fused with the encoding (``_tl.stochastic_code_e2m1``)."""
-        return _tl.stochastic_code_e2m1(y, element_bits(bits, i)) if stochastic else _encode_e2m1(y)
+        return _tl.stochastic_code_e2m1(y, _tl.element_bits(bits, i)) if stochastic else _encode_e2m1(y)
 
     @T.prim_func
     def main(
