@@ -65,6 +65,21 @@ def test_compiles_without_gpu(arch):
 
 
 @pytest.mark.compile
+def test_dynamic_smem_bytes_of_a_fresh_compile():
+    """A fresh compile's lowered device module gives the same size as lowering again."""
+    import tilelang
+
+    tilelang.disable_cache()  # a disk-cache hit has no lowered modules
+    try:
+        kernel = scale_rows.compile("sm_90a", dtype="float32", hidden=320)
+    finally:
+        tilelang.enable_cache()
+    assert kernel.artifact is not None
+    assert dynamic_smem_bytes(scale_rows, "sm_90a", kernel, dtype="float32", hidden=320) == 4 * 320 * 4
+    assert dynamic_smem_bytes(scale_rows, "sm_90a", dtype="float32", hidden=320) == 4 * 320 * 4
+
+
+@pytest.mark.compile
 def test_precompile_fills_the_cache():
     variants = [(scale_rows, dict(dtype="float32", hidden=h)) for h in (64, 128)]
     assert jit.precompile(variants, archs=("sm_90a",), workers=2, progress=False) == 2

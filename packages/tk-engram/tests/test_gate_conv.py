@@ -272,8 +272,8 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
         assert ("tl::cluster_sync()" in src) == ("st.async.shared::cluster" in src) == (bp["split"] == 2)
         assert (src.count("tk_sigmoid_approx(") > 1) == (bp["split"] == 2)
     else:
-        K.gate_conv_bwd_kernel.compile(arch, **bp)
-        assert dynamic_smem_bytes(K.gate_conv_bwd_kernel, arch, **bp) <= MAX_SMEM_PER_BLOCK
+        kernel = K.gate_conv_bwd_kernel.compile(arch, **bp)
+        assert dynamic_smem_bytes(K.gate_conv_bwd_kernel, arch, kernel, **bp) <= MAX_SMEM_PER_BLOCK
         dp = dict(p, **DCONV_PARAMS)
         if arch == "sm_90a":
             assert_compiles(K.gate_conv_dconv_kernel, arch, **dp)
