@@ -46,6 +46,7 @@ VARIANTS = {
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
             "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division, nvcc's expf
             "longexp": dict(short_exp=False),  # nvcc's expf
+            "late": dict(early_loads=False),  # with pos_to_expert too, the loads after the row's pos_to_expert test
         },
     ),
     "fwd_channel": (

@@ -312,6 +312,7 @@ def swiglu_fwd_token_kernel(
     widen_words: bool = True,
     short_div: bool = False,
     short_exp: bool = False,
+    early_loads: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -330,7 +331,11 @@ def swiglu_fwd_token_kernel(
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
     without a clamp or with the "bf16" clamp), the fast chunks divide by ``tk_div_silu_bf16`` (launchers: on
     ``tk_core.ptx.DIV_SILU_BF16_ARCHS``); ``short_exp``: and take ``1 + exp(-g)`` from ``tk_one_plus_exp_neg_bf16``
-    (one instruction per element fewer; chunks with some |g| below 2**-16 then take the IEEE path)."""
+    (one instruction per element fewer; chunks with some |g| below 2**-16 then take the IEEE path).
+    ``early_loads`` (one span per warp only): the span's loads are issued before the row's ``pos_to_expert`` is
+    read, so a warp does not wait for two memory latencies in series (a padding row's loads are wasted: < 1 % of
+    the rows at 16-row alignment). The launcher takes it with ``pos_to_expert`` only: without it, the same loads
+    placed there measured 3 % slower (PERF-NOTES, session 15)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -381,6 +386,24 @@ def swiglu_fwd_token_kernel(
     def span_of(gw):
         return T.truncmod(gw, wpr) if split else 0
 
+    early = early_loads and split
+
+    @T.macro
+    def load_span(x, xg, xu, row, it, lane):
+        """The gate and up halves of span ``it`` of ``row`` (zeros past ``H``)."""
+        for c in T.unroll(UC):
+            col = it * span + c * (32 * VEC) + lane * VEC
+            if in_range(col):
+                for i in T.vectorized(VEC):
+                    xg[c, i] = x[row, col + i]
+                for i in T.vectorized(VEC):
+                    xu[c, i] = x[row, H + col + i]
+            else:
+                for i in T.vectorized(VEC):
+                    xg[c, i] = T.cast(0, in_dtype)
+                for i in T.vectorized(VEC):
+                    xu[c, i] = T.cast(0, in_dtype)
+
     @T.prim_func
     def main(
         x: T.Tensor((E, 2 * H), in_dtype),
@@ -428,6 +451,8 @@ def swiglu_fwd_token_kernel(
             it0 = ri[1]  # this warp's first span: it0 + j, j < spans
             st[0] = 0
             if row < E:
+                if early:
+                    load_span(x, xg, xu, row, it0, lane)
                 st[0] = 1
                 if has_pe != 0:
                     if pos_to_expert[row] < 0:
@@ -451,18 +476,8 @@ def swiglu_fwd_token_kernel(
                 for ph in T.serial(2 if row_mode else 1):
                     for j in T.serial(iters // wpr):
                         it = it0 + j
-                        for c in T.unroll(UC):
-                            col = it * span + c * (32 * VEC) + lane * VEC
-                            if in_range(col):
-                                for i in T.vectorized(VEC):
-                                    xg[c, i] = x[row, col + i]
-                                for i in T.vectorized(VEC):
-                                    xu[c, i] = x[row, H + col + i]
-                            else:
-                                for i in T.vectorized(VEC):
-                                    xg[c, i] = T.cast(0, in_dtype)
-                                for i in T.vectorized(VEC):
-                                    xu[c, i] = T.cast(0, in_dtype)
+                        if not early:
+                            load_span(x, xg, xu, row, it, lane)
                         if packed_cnt:
                             for c in T.unroll(UC):
                                 for k in T.unroll(VEC // 2):
@@ -1043,6 +1058,7 @@ def swiglu_forward_and_per_token_cast_(
         widen_words=True,
         short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         short_exp=True,
+        early_loads=pos_to_expert is not None,
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
