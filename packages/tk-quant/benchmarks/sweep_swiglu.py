@@ -46,7 +46,9 @@ VARIANTS = {
             "nan": {"_set": {"CLAMP_IMPL": "nan"}},
             "longdiv": dict(short_div=False),  # the refined reciprocal in the SiLU division, nvcc's expf
             "longexp": dict(short_exp=False),  # nvcc's expf
-            "late": dict(early_loads=False),  # with pos_to_expert too, the loads after the row's pos_to_expert test
+            "row": dict(load_order="row"),  # with pos_to_expert too, the loads after the row's pos_to_expert test
+            "early": dict(load_order="early"),  # with pos_to_expert, every kernel loads before that test
+            "early_if_pe": dict(load_order="early_if_pe"),
         },
     ),
     "fwd_channel": (

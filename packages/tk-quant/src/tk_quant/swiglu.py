@@ -312,7 +312,7 @@ def swiglu_fwd_token_kernel(
     widen_words: bool = True,
     short_div: bool = False,
     short_exp: bool = False,
-    early_loads: bool = False,
+    load_order: str = "row",
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -332,10 +332,14 @@ def swiglu_fwd_token_kernel(
     without a clamp or with the "bf16" clamp), the fast chunks divide by ``tk_div_silu_bf16`` (launchers: on
     ``tk_core.ptx.DIV_SILU_BF16_ARCHS``); ``short_exp``: and take ``1 + exp(-g)`` from ``tk_one_plus_exp_neg_bf16``
     (one instruction per element fewer; chunks with some |g| below 2**-16 then take the IEEE path).
-    ``early_loads`` (one span per warp only): the span's loads are issued before the row's ``pos_to_expert`` is
-    read, so a warp does not wait for two memory latencies in series (a padding row's loads are wasted: < 1 % of
-    the rows at 16-row alignment). The launcher takes it with ``pos_to_expert`` only: without it, the same loads
-    placed there measured 3 % slower (PERF-NOTES, session 15)."""
+    ``load_order`` (one span per warp; row-mode warps always load in the row's branch): where a warp issues its
+    span's loads. "row": in the row's branch, after the row's ``pos_to_expert`` test; "early": before that test,
+    so that a warp does not wait for two memory latencies in series (a padding row's loads are wasted: < 1 % of
+    the rows at 16-row alignment); "early_if_pe": before the test when ``has_pe``, in the row's branch otherwise
+    (two load sites: the same loads, scheduled differently by nvcc). The launcher: "row" without
+    ``pos_to_expert`` (the early loads measured 3 % slower there), with it "early" for the clamp-count kernel and
+    "early_if_pe" otherwise (+0.7 % over "early"; "early" +1 % and +3.3 % with counts over "row"; PERF-NOTES,
+    session 16)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_pe = T.dynamic("n_pe")
@@ -386,7 +390,8 @@ def swiglu_fwd_token_kernel(
     def span_of(gw):
         return T.truncmod(gw, wpr) if split else 0
 
-    early = early_loads and split
+    assert load_order in ("row", "early", "early_if_pe"), load_order
+    early = load_order != "row" and split  # the span's loads may go before the pos_to_expert test
 
     @T.macro
     def load_span(x, xg, xu, row, it, lane):
@@ -452,7 +457,8 @@ def swiglu_fwd_token_kernel(
             st[0] = 0
             if row < E:
                 if early:
-                    load_span(x, xg, xu, row, it0, lane)
+                    if load_order == "early" or has_pe != 0:
+                        load_span(x, xg, xu, row, it0, lane)
                 st[0] = 1
                 if has_pe != 0:
                     if pos_to_expert[row] < 0:
@@ -478,6 +484,9 @@ def swiglu_fwd_token_kernel(
                         it = it0 + j
                         if not early:
                             load_span(x, xg, xu, row, it, lane)
+                        elif load_order == "early_if_pe":
+                            if has_pe == 0:
+                                load_span(x, xg, xu, row, it, lane)
                         if packed_cnt:
                             for c in T.unroll(UC):
                                 for k in T.unroll(VEC // 2):
@@ -1058,7 +1067,7 @@ def swiglu_forward_and_per_token_cast_(
         widen_words=True,
         short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         short_exp=True,
-        early_loads=pos_to_expert is not None,
+        load_order="row" if pos_to_expert is None else ("early" if mode == "count" else "early_if_pe"),
     )
     i32 = _flat_view(x, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
