@@ -35,8 +35,9 @@ def test_bench_per_block_cast(gpu_benchmark, impl, block, packed):
     )
 
 
-# "tk" is the default call (check=True: the copy of the error slots to the host is timed too); "tk-unchecked" is
-# check=False, the CUDA-graph path and the anchor's own setting (its check is a device-side assert): one kernel.
+# "tk" is the default call (check=True: a stream sync; the kernel writes nonzero error counts to pinned host memory,
+# so no copy is timed); "tk-unchecked" is check=False, the CUDA-graph path and the anchor's own setting (its check is
+# a device-side assert): one kernel.
 @pytest.mark.benchmark
 @pytest.mark.parametrize("impl", ["tk", "tk-unchecked", "torch", "torch.compile"])
 @pytest.mark.parametrize("out_block,packed", [((1, 128), False), ((32, 32), False), ((128, 128), False), ((1, 128), True)])

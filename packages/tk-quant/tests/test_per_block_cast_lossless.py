@@ -103,6 +103,7 @@ COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=32, bk_out=32, layout="row"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=128, bk_out=128, layout="row"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="packed"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="row", zero_counts=False),
     dict(hidden=576, bm_in=1, bk_in=32, in_kind="packed", bm_out=32, bk_out=32, layout="packed"),
     dict(hidden=576, bm_in=1, bk_in=32, in_kind="fp32", bm_out=2, bk_out=64, layout="row"),
 ]
@@ -176,6 +177,11 @@ def test_errors_poison_opcheck_compile_graph():
     slots = torch.full((num_ctas(256, 512, 1, 128, sms),), -1, dtype=torch.int32, device="cuda")
     per_block_cast_lossless_(xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, slots, 1, 32, 1, 128, "row")
     assert slots.eq(0).all()
+    # without zero_counts (the check's zeroed host slots) only the CTA that met the error writes its slot
+    slots.fill_(-1)
+    per_block_cast_lossless_(bad[0], bad[1].view(torch.int32).flatten(), 16, 1, out, flat, slots, 1, 32, 1, 128, "row",
+                             False)
+    assert int(slots.ne(-1).sum()) == 1 and int(slots.max()) == 1
     ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), (1, 128))
     assert_equal(out, ref[0])
     assert_equal(flat.view(256, 4), ref[1])

@@ -7,6 +7,7 @@
 - ``tk_core.layout``: alignment helpers and the scale-factor layouts;
 - ``tk_core.jit``: cached TileLang compilation per device arch, ``precompile``;
 - ``tk_core.library``: ``device_op``, the torch.library registration used by every package;
+- ``tk_core.hostmem``: error counts that kernels write straight into pinned host memory;
 - ``tk_core.testing``: numeric checks, generators, GPU timing and the pytest plugin.
 """
 

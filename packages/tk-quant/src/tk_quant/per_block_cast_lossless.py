@@ -19,7 +19,8 @@ Math, for each output block ``B`` (the input blocks it covers that hold elements
 Inadmissible input (a scale that is not a non-negative power of two or zero, an inf/NaN scale or the
 UE8M0 byte 255, or ``d_i < -8``) is counted per 32-column row segment: each CTA writes its count to its
 own int32 slot (no counter to zero, so the cast is one launch). The wrapper raises ``ValueError`` when the
-slots sum to more than zero (``check=True``, the default: one host sync, the copy of the slots to the host).
+slots sum to more than zero (``check=True``, the default: one host sync; the slots are then zeroed pinned host
+memory that only CTAs with a nonzero count write, ``tk_core.hostmem``, so no device-to-host copy is needed).
 ``check=False`` never synchronises (use it under CUDA graphs / ``torch.compile``); pass your own zeroed
 ``error_count`` (int32 ``(1,)``) to have the count added to it on the device. Offending segments are written
 deterministically but not losslessly.
@@ -43,7 +44,7 @@ token count and the input SF strides are runtime arguments.
 import tilelang.language as T
 import torch
 
-from tk_core import checks
+from tk_core import checks, hostmem
 from tk_core.jit import kernel
 from tk_core.layout import align, ceil_div, is_power_of_two, sf_layout
 from tk_core.library import device_op
@@ -136,6 +137,7 @@ def per_block_cast_lossless_kernel(
     passes: int = 0,
     min_blocks: int = 0,
     seg: int = SEG,
+    zero_counts: bool = True,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
@@ -151,7 +153,9 @@ def per_block_cast_lossless_kernel(
     tile parity), one barrier per tile.
 
     Each CTA writes its count of inadmissible 32-column row segments to its slot of ``err``, zero or not, so
-    no counter has to be zeroed by another launch."""
+    no counter has to be zeroed by another launch; with ``zero_counts`` False only a nonzero count is written
+    (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
+    the input is clean)."""
     BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, seg)
     num_tokens = T.dynamic("num_tokens")
@@ -305,7 +309,8 @@ def per_block_cast_lossless_kernel(
             if tx == 0:
                 for w in T.serial(1, THREADS // 32):
                     nerr[0] += warp_err[w]
-                err[bid] = nerr[0]
+                if zero_counts or nerr[0] != 0:
+                    err[bid] = nerr[0]
 
     return main
 
@@ -327,12 +332,14 @@ def per_block_cast_lossless_(
     bm_out: int,
     bk_out: int,
     layout: str,
+    zero_counts: bool = True,
 ) -> None:
-    """One CTA per slot of ``error_slots`` (``num_ctas``), each writing its error count there."""
+    """One CTA per slot of ``error_slots`` (``num_ctas``), each writing its error count there (only a nonzero
+    one without ``zero_counts``: the caller zeroed the slots)."""
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
-        passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out),
+        passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out), zero_counts=zero_counts,
     )
     k(data.view(torch.int32), sf_in_flat, out.view(torch.uint32), sf_flat, error_slots, s0, s1)
 
@@ -420,13 +427,23 @@ def per_block_cast_lossless(
     flat, sf = alloc_sf_storage(ceil_div(t, bm_out), ceil_div(h, bk_out), layout, data.device)
     if t:
         sms = torch.cuda.get_device_properties(data.device).multi_processor_count
-        slots = torch.empty(num_ctas(t, h, bm_out, bk_out, sms), dtype=torch.int32, device=data.device)
+        n_slots = num_ctas(t, h, bm_out, bk_out, sms)
+        # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count, so
+        # the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
+        counts = hostmem.host_counts(n_slots, data.device) if check else None
+        slots = counts.zeroed(n_slots) if counts is not None else torch.empty(n_slots, dtype=torch.int32, device=data.device)
         sf_in_flat, s0, s1 = _sf_flat(sf_in)
-        per_block_cast_lossless_(data, sf_in_flat, s0, s1, out, flat, slots, bm_in, bk_in, bm_out, bk_out, layout)
-        if error_count is not None:
-            error_count += slots.sum(dtype=torch.int32)
+        per_block_cast_lossless_(data, sf_in_flat, s0, s1, out, flat, slots, bm_in, bk_in, bm_out, bk_out, layout,
+                                 counts is None)
+        if counts is not None:
+            n_err = counts.collect(n_slots, torch.cuda.current_stream(data.device))
+            if error_count is not None:
+                error_count += n_err
+        else:
+            if error_count is not None:
+                error_count += slots.sum(dtype=torch.int32)
+            n_err = int(slots.cpu().sum()) if check else 0
         if check:
-            n_err = int(slots.cpu().sum())  # a copy of a few hundred bytes, summed on the host: no extra kernel
             if n_err:
                 checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
                             f"{n_err} inadmissible 32-column row segments")

@@ -1,0 +1,29 @@
+"""tk_core.hostmem: counts that device code writes straight into pinned host memory."""
+
+import threading
+
+import pytest
+import torch
+
+from tk_core import hostmem
+
+
+@pytest.mark.gpu
+def test_device_stores_reach_the_host_without_a_copy():
+    counts = hostmem.host_counts(5, "cuda")
+    assert counts is not None  # an H100 / H200 under UVA maps pinned memory
+    assert counts.host.is_pinned() and counts.alias.data_ptr() == counts.host.data_ptr()
+    for value in (7, 0, 3):
+        slots = counts.zeroed(5)  # a previous round's values are gone
+        assert slots.device == torch.device("cuda", torch.cuda.current_device()) and slots.shape == (5,)
+        slots[1:3].fill_(value)  # a device kernel
+        assert counts.collect(5, torch.cuda.current_stream()) == 2 * value
+        assert counts.host[:5].tolist() == [0, value, value, 0, 0]
+    assert hostmem.host_counts(5, "cuda") is counts  # reused by this thread
+    bigger = hostmem.host_counts(counts.capacity + 1, "cuda")  # grown
+    assert bigger.capacity > counts.capacity and hostmem.host_counts(5, "cuda") is bigger
+    other = []
+    thread = threading.Thread(target=lambda: other.append(hostmem.host_counts(5, "cuda")))
+    thread.start()
+    thread.join()
+    assert other[0] is not None and other[0] is not bigger  # one buffer per host thread
