@@ -97,6 +97,7 @@ COMPILE_VARIANTS = [
     dict(_P, bm=32, round_sf=True, transpose=True),
     dict(_P, bm=128, transpose=True),
     dict(_P, in_dtype="float32", hidden=576, gather=True),
+    dict(_P, gather=True, count_slots=True),
     dict(_P, in_dtype="float8_e4m3fn", quant_in=True, round_sf=True),
     dict(_P, in_dtype="float8_e4m3fn", hidden=2048, quant_in=True, gather=True),
 ]
@@ -172,6 +173,28 @@ def test_fused_gpu(t, t_out, h, quant, round_sf):
         bad[7] = t
         with pytest.raises(ValueError, match="indices out of range"):
             per_channel_cast_fused(xin, "e4m3", 128, round_sf, 128 if quant else None, bad)
+
+
+@gpu
+@pytest.mark.parametrize("quant", [False, True])
+def test_fused_gather_error_counts(quant):
+    t, t_out, h = 300, 4096, 2048
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    xin = reference.cast(x, "e4m3", (1, 128)) if quant else x
+    npc = 128 if quant else None
+    pos = torch.randint(-1, t, (t_out,), device="cuda", dtype=torch.int32)
+    bad = pos.clone()
+    bad[::7] = t + 5  # bad rows in every tile row: many CTAs count (check=True: one host word per CTA)
+    n = len(range(0, t_out, 7))
+    cnt = torch.full((1,), 5, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=f"{n} indices out of range"):
+        per_channel_cast_fused(xin, "e4m3", 128, False, npc, bad, error_count=cnt)
+    assert cnt.item() == 5 + n  # this call's count, added
+    per_channel_cast_fused(xin, "e4m3", 128, False, npc, bad, check=False, error_count=cnt)
+    assert cnt.item() == 5 + 2 * n
+    out, sf = per_channel_cast_fused(xin, "e4m3", 128, False, npc, pos)  # clean again: the host words were zeroed
+    ref = reference.per_channel_cast_fused(xin, 128, npc, False, pos)
+    assert_equal(out, ref[0]) and assert_equal(sf, ref[1])
 
 
 @gpu

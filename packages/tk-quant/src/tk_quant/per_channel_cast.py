@@ -37,7 +37,7 @@ amax of the current one) while the current one is reduced and stored. The token 
 import tilelang.language as T
 import torch
 
-from tk_core import checks
+from tk_core import checks, hostmem
 from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import ceil_div
@@ -89,6 +89,7 @@ def per_channel_cast_kernel(
     min_blocks: int = 0,
     ctas: int = 0,
     vec: int = 0,
+    count_slots: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -102,6 +103,10 @@ def per_channel_cast_kernel(
     cast converts byte by byte): 17 % fewer instructions in the QuantTensor kernel, whose anchor line went from
     22.2 to 19.7 us. (bf16 widened a word at a time measured the same as TileLang's cast: those lines are bound
     by memory, not by issue.)
+
+    Gather indices ``>= num_tokens`` are counted once per output row: atomically into ``err[0]``, or with
+    ``count_slots`` per CTA into ``err[bid]``, written only when nonzero (the slots are zeroed host memory that
+    the check reads, ``tk_core.hostmem``: no fill kernel before and no copy after the cast).
     """
     VEC = vec or default_vec(quant_in)
     BK = TPR * VEC  # channels per tile
@@ -120,7 +125,7 @@ def per_channel_cast_kernel(
     WPB = bm // ROWS_PER_WARP  # warps per scale block
 
     @T.macro
-    def load(x, x_sf, pos, err, xr, s_in, ok, src, tile, tx, c8, r0):
+    def load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, tile, tx, c8, r0):
         bx = T.truncmod(tile, NX)
         by = T.truncdiv(tile, NX)
         for p in T.unroll(P):
@@ -132,7 +137,10 @@ def per_channel_cast_kernel(
                 if src[0] >= num_tokens:
                     ok[0] = 0
                     if bx == 0 and tx % TPR == 0:
-                        T.atomic_add(err[0], 1)
+                        if count_slots:
+                            nbad[0] += 1
+                        else:
+                            T.atomic_add(err[0], 1)
                 if src[0] < 0:
                     ok[0] = 0
             if ok[0] != 0:
@@ -163,13 +171,16 @@ def per_channel_cast_kernel(
             si = T.alloc_local((VEC,), "float32")
             ok = T.alloc_local((1,), "int32")
             src = T.alloc_local((1,), "int32")
+            nbad = T.alloc_local((1,), "int32") if count_slots else None  # this thread's bad gather indices
             red = T.alloc_shared((WARPS, BK), "float32")
             sis = T.alloc_shared((NBT, BK), "float32")
             c8 = (tx % TPR) * VEC
             r0 = (tx // TPR) * P  # this thread's first row in the tile (P adjacent rows, one scale block)
             niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
+            if count_slots:
+                nbad[0] = 0
 
-            load(x, x_sf, pos, err, xr, s_in, ok, src, bid, tx, c8, r0)
+            load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
             for it in T.serial(niter):
                 tile = bid + it * nctas
                 bx = T.truncmod(tile, NX)
@@ -193,7 +204,7 @@ def per_channel_cast_kernel(
                 # The next tile's loads: issued after this tile's amax (measured 2-5% faster than before it, where
                 # they compete with the amax for issue slots and registers), they still land across the barriers.
                 if it + 1 < niter:
-                    load(x, x_sf, pos, err, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
+                    load(x, x_sf, pos, err, nbad, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
                 for v in T.unroll(VEC):
                     am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
                     am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
@@ -253,6 +264,20 @@ def per_channel_cast_kernel(
                         s_in[p] = s_n[p]
                     for v in T.vectorized(VEC):
                         xr[p, v] = xn[p, v]
+            if count_slots:
+                warp_bad = T.alloc_shared((WARPS,), "int32")
+                for off in (16, 8, 4, 2, 1):
+                    nbad[0] += T.shfl_xor(nbad[0], off)
+                if tx % 32 == 0:
+                    warp_bad[tx // 32] = nbad[0]
+                T.sync_threads()
+                if tx == 0:
+                    for w in T.serial(1, WARPS):
+                        nbad[0] += warp_bad[w]
+                    if nbad[0] != 0:
+                        err[bid] = nbad[0]
+
+    num_slots = T.dynamic("num_slots") if count_slots else 1
 
     if gather and quant_in:
 
@@ -263,7 +288,7 @@ def per_channel_cast_kernel(
             pos: T.Tensor((num_out,), "int32"),
             out: T.Tensor(out_shape, out_dtype),
             sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
-            err: T.Tensor((1,), "int32"),
+            err: T.Tensor((num_slots,), "int32"),
             clamp_min: T.float32,
         ):
             body(x, x_sf, pos, out, sf, err, clamp_min)
@@ -276,7 +301,7 @@ def per_channel_cast_kernel(
             pos: T.Tensor((num_out,), "int32"),
             out: T.Tensor(out_shape, out_dtype),
             sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
-            err: T.Tensor((1,), "int32"),
+            err: T.Tensor((num_slots,), "int32"),
             clamp_min: T.float32,
         ):
             body(x, None, pos, out, sf, err, clamp_min)
@@ -310,10 +335,22 @@ def per_channel_cast_kernel(
 # --- device ops -----------------------------------------------------------------------------------
 
 
-def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool):
+def _grid(x: torch.Tensor, quant_in: bool) -> tuple[str, int, int]:
+    """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device."""
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     min_blocks = blocks_per_sm(in_dtype, arch_of(x.device))
+    return in_dtype, min_blocks, torch.cuda.get_device_properties(x.device).multi_processor_count * min_blocks
+
+
+def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
+    """CTAs the kernel launches for ``num_out`` output rows (one error slot each with ``count_slots``)."""
+    ntiles = x.shape[1] // (TPR * default_vec(quant_in)) * ceil_div(num_out, BM)
+    return min(ntiles, _grid(x, quant_in)[2])
+
+
+def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool,
+                count_slots: bool = False):
+    in_dtype, min_blocks, ctas = _grid(x, quant_in)
     return per_channel_cast_kernel.get(
         x.device,
         in_dtype=in_dtype,
@@ -324,7 +361,8 @@ def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in
         quant_in=quant_in,
         transpose=transpose,
         min_blocks=min_blocks,
-        ctas=sms * min_blocks,
+        ctas=ctas,
+        count_slots=count_slots,
     )
 
 
@@ -346,9 +384,12 @@ def per_channel_cast_fused_(
     error_count: torch.Tensor,
     round_sf: bool,
     clamp_min: float,
+    count_slots: bool = False,
 ) -> None:
+    """With ``pos_to_token``, bad indices are added atomically to ``error_count[0]``, or with ``count_slots`` each
+    CTA's count goes to ``error_count[cta]`` when it is nonzero (``num_ctas`` zeroed slots)."""
     quant_in = x_sf is not None
-    k = _kernel_for(x, 128, round_sf, pos_to_token is not None, quant_in, False)
+    k = _kernel_for(x, 128, round_sf, pos_to_token is not None, quant_in, False, count_slots)
     args = [x] + ([x_sf] if quant_in else []) + ([pos_to_token] if pos_to_token is not None else []) + [out, sf]
     if pos_to_token is not None:
         args.append(error_count)
@@ -481,13 +522,30 @@ def per_channel_cast_fused(
     out = torch.empty((t_out, h), dtype=torch.float8_e4m3fn, device=data.device)
     sf = torch.empty((ceil_div(t_out, num_per_tokens), h), dtype=torch.float32, device=data.device)
     if t_out:
-        if pos_to_token is not None:
-            err = error_count if error_count is not None else torch.zeros(1, dtype=torch.int32, device=data.device)
+        # check=True with a gather: per-CTA counts in zeroed pinned host memory, written only when nonzero, read
+        # after a stream sync (no fill kernel before, no copy after); else one counter on the device
+        gather = pos_to_token is not None
+        counts = None
+        if gather and check:
+            n_slots = num_ctas(data, t_out, x_sf is not None)
+            counts = hostmem.host_counts(n_slots, data.device)
+        if counts is not None:
+            err = counts.zeroed(n_slots)
+        elif gather and (check or error_count is None):
+            err = torch.zeros(1, dtype=torch.int32, device=data.device)
+        elif gather:
+            err = error_count
         else:
             err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused by the kernel without a gather
-        per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), get_amax_clamp("e4m3"))
-        if check and pos_to_token is not None:
-            n_bad = int(err.item())
+        per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), get_amax_clamp("e4m3"),
+                                counts is not None)
+        if gather and check:
+            if counts is not None:
+                n_bad = counts.collect(n_slots, torch.cuda.current_stream(data.device))
+            else:
+                n_bad = int(err.item())
+            if error_count is not None:
+                error_count += n_bad
             if n_bad:
                 checks.fail(op, "pos_to_token", f"indices < num_tokens={t}", f"{n_bad} indices out of range")
     return out, sf
