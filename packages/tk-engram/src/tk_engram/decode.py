@@ -37,14 +37,13 @@ The float32 partials of k and v of the fused and two-launch paths (splits*2*B*d*
 in L2) and the row sums are not counted.
 """
 
-import functools
 import math
 
 import tilelang.language as T
 import torch
 from tvm import tirx
 
-from tk_core import checks
+from tk_core import checks, config
 from tk_core.jit import kernel
 from tk_core.layout import ceil_div
 from tk_core.library import device_op
@@ -948,11 +947,6 @@ def _counters(device) -> torch.Tensor:
     return ctr
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _waiters(B: int, d: int, rows: int) -> int:
     """CTAs of a one-launch kernel that wait for other CTAs: one per 64-column panel (both kernels' width) and
     tile of ``rows`` batch rows."""
@@ -1010,7 +1004,7 @@ def _decode_dev(
     dt = _TL_DTYPES[h_t.dtype]
     (B, d), d_mem = h_t.shape, e_t.shape[1]
     taps = conv_w.shape[0]
-    path, cfg = decode_plan(B, d_mem, d, min(_SMS, _sm_count(h_t.device.index or 0)))
+    path, cfg = decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(h_t.device.index)))
     if path != decode_plan(B, d_mem, d)[0]:  # a smaller GPU: another path, with its own scratch
         part, sums = decode_scratch(B, d_mem, d, h_t.device, path)
     if path == "gemv":

@@ -44,7 +44,7 @@ token count and the input SF strides are runtime arguments.
 import tilelang.language as T
 import torch
 
-from tk_core import checks, hostmem
+from tk_core import checks, config, hostmem
 from tk_core.jit import kernel
 from tk_core.layout import align, ceil_div, is_power_of_two, sf_layout
 from tk_core.library import device_op
@@ -426,8 +426,7 @@ def per_block_cast_lossless(
     out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=data.device)
     flat, sf = alloc_sf_storage(ceil_div(t, bm_out), ceil_div(h, bk_out), layout, data.device)
     if t:
-        sms = torch.cuda.get_device_properties(data.device).multi_processor_count
-        n_slots = num_ctas(t, h, bm_out, bk_out, sms)
+        n_slots = num_ctas(t, h, bm_out, bk_out, config.get_num_sms(data.device.index))
         # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count, so
         # the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
         counts = hostmem.host_counts(n_slots, data.device) if check else None

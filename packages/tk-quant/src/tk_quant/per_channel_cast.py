@@ -37,8 +37,7 @@ amax of the current one) while the current one is reduced and stored. The token 
 import tilelang.language as T
 import torch
 
-from tk_core import checks, hostmem
-from tk_core.config import get_amax_clamp
+from tk_core import checks, config, hostmem
 from tk_core.jit import arch_of, kernel
 from tk_core.layout import ceil_div
 from tk_core.library import device_op
@@ -53,7 +52,7 @@ RPP = THREADS // TPR  # 32 rows per pass
 P = BM // RPP  # 4 passes
 WARPS = THREADS // 32
 ROWS_PER_WARP = 32 // TPR * P  # 16: each thread owns P adjacent rows
-DEFAULT_SMS = 132  # H200; the device ops pass the SM count of the tensor's device
+DEFAULT_SMS = 132  # H200; the device ops pass tk_core.config.get_num_sms of the tensor's device
 
 
 def blocks_per_sm(in_dtype: str, arch: str = "") -> int:
@@ -336,10 +335,11 @@ def per_channel_cast_kernel(
 
 
 def _grid(x: torch.Tensor, quant_in: bool) -> tuple[str, int, int]:
-    """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device."""
+    """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device: SMs
+    x CTAs per SM, with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit recompiles)."""
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
     min_blocks = blocks_per_sm(in_dtype, arch_of(x.device))
-    return in_dtype, min_blocks, torch.cuda.get_device_properties(x.device).multi_processor_count * min_blocks
+    return in_dtype, min_blocks, config.get_num_sms(x.device.index) * min_blocks
 
 
 def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
@@ -429,7 +429,7 @@ def per_channel_cast(x: torch.Tensor, fmt: str, num_per_tokens: int = 128, round
     out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=x.device)
     sf = torch.empty((ceil_div(t, num_per_tokens), h), dtype=torch.float32, device=x.device)
     if t:
-        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), False, get_amax_clamp("e4m3"))
+        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), False, config.get_amax_clamp("e4m3"))
     return out, sf
 
 
@@ -455,7 +455,7 @@ def per_channel_cast_and_transpose(
     out = torch.empty((h, t), dtype=torch.float8_e4m3fn, device=x.device)
     sf = torch.empty((ceil_div(t, num_per_tokens), h), dtype=torch.float32, device=x.device)
     if t:
-        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), True, get_amax_clamp("e4m3"))
+        per_channel_cast_(x, out, sf, num_per_tokens, bool(round_sf), True, config.get_amax_clamp("e4m3"))
     return out, sf
 
 
@@ -537,7 +537,7 @@ def per_channel_cast_fused(
             err = error_count
         else:
             err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused by the kernel without a gather
-        per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), get_amax_clamp("e4m3"),
+        per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), config.get_amax_clamp("e4m3"),
                                 counts is not None)
         if gather and check:
             if counts is not None:
