@@ -522,23 +522,26 @@ def per_channel_cast_fused(
     out = torch.empty((t_out, h), dtype=torch.float8_e4m3fn, device=data.device)
     sf = torch.empty((ceil_div(t_out, num_per_tokens), h), dtype=torch.float32, device=data.device)
     if t_out:
-        # check=True with a gather: per-CTA counts in zeroed pinned host memory, written only when nonzero, read
-        # after a stream sync (no fill kernel before, no copy after); else one counter on the device
+        # A gather's bad indices: with check=True per-CTA counts in zeroed pinned host memory, written only when
+        # nonzero and read after a stream sync (no fill kernel before, no copy after); with error_count atomics into
+        # the caller's device counter; with neither per-CTA counts into scratch that nobody reads.
         gather = pos_to_token is not None
-        counts = None
-        if gather and check:
-            n_slots = num_ctas(data, t_out, x_sf is not None)
-            counts = hostmem.host_counts(n_slots, data.device)
-        if counts is not None:
-            err = counts.zeroed(n_slots)
-        elif gather and (check or error_count is None):
-            err = torch.zeros(1, dtype=torch.int32, device=data.device)
-        elif gather:
+        counts, slots = None, False
+        if not gather:
+            err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused
+        elif not check and error_count is not None:
             err = error_count
         else:
-            err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused by the kernel without a gather
+            n_slots = num_ctas(data, t_out, x_sf is not None)
+            counts = hostmem.host_counts(n_slots, data.device) if check else None
+            if counts is not None:
+                err, slots = counts.zeroed(n_slots), True
+            elif check:  # no host counts on this system: one device counter, copied to the host
+                err = torch.zeros(1, dtype=torch.int32, device=data.device)
+            else:
+                err, slots = torch.empty(n_slots, dtype=torch.int32, device=data.device), True
         per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), config.get_amax_clamp("e4m3"),
-                                counts is not None)
+                                slots)
         if gather and check:
             if counts is not None:
                 n_bad = counts.collect(n_slots, torch.cuda.current_stream(data.device))
