@@ -12,6 +12,8 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
 - ``row_key`` / ``pair_bits`` / ``element_bits`` / ``round_stochastic``: ``tk_core.formats.stochastic_bits`` (one
   hash per column pair; uint32 arithmetic wraps as the reference's masks do) and ``round_stochastic``; ``stochastic_code_e2m1``:
   ``encode_e2m1(round_stochastic(y, "e2m1", r))`` in one step.
+- ``store_cta_count``: a CTA's error count into its slot (the per-CTA error slots of the lossless and gathering
+  per-channel casts).
 """
 
 import tilelang.language as T
@@ -155,3 +157,20 @@ def stochastic_code_e2m1(y, r):
     """``encode_e2m1(round_stochastic(y, "e2m1", r))`` (uint32 code 0..15) in about a third of the instructions
     (the prelude must contain ``ROUND_STOCHASTIC``)."""
     return T.call_extern("uint32", "tk_stochastic_code_e2m1", y, r)
+
+
+@T.macro
+def store_cta_count(err, bid, count, warp_sums, tx, warps: int, zero_counts: bool):
+    """The CTA's sum of the threads' int32 ``count[0]`` into ``err[bid]`` (``count[0]`` is clobbered): a warp
+    butterfly, one shared word per warp (``warp_sums``), thread 0 adds the warps in order. With ``zero_counts``
+    False only a nonzero sum is written (the slots are zeroed host words, ``tk_core.hostmem``)."""
+    for off in (16, 8, 4, 2, 1):
+        count[0] += T.shfl_xor(count[0], off)
+    if tx % 32 == 0:
+        warp_sums[tx // 32] = count[0]
+    T.sync_threads()
+    if tx == 0:
+        for w in T.serial(1, warps):
+            count[0] += warp_sums[w]
+        if zero_counts or count[0] != 0:
+            err[bid] = count[0]

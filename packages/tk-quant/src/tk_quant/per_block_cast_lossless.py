@@ -301,16 +301,7 @@ def per_block_cast_lossless_kernel(
                 step(x, sf_in, s0, s1, out, sf, nerr, part, xa, swa, ra, ca, xb, swb, rb, cbb, it2 * 2, niter, num_ctas, bid, tx, nm, 0)
                 step(x, sf_in, s0, s1, out, sf, nerr, part, xb, swb, rb, cbb, xa, swa, ra, ca, it2 * 2 + 1, niter, num_ctas, bid, tx, nm, 1)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
-            for off in (16, 8, 4, 2, 1):
-                nerr[0] += T.shfl_xor(nerr[0], off)
-            if tx % 32 == 0:
-                warp_err[tx // 32] = nerr[0]
-            T.sync_threads()
-            if tx == 0:
-                for w in T.serial(1, THREADS // 32):
-                    nerr[0] += warp_err[w]
-                if zero_counts or nerr[0] != 0:
-                    err[bid] = nerr[0]
+            _tl.store_cta_count(err, bid, nerr, warp_err, tx, THREADS // 32, zero_counts)
 
     return main
 
@@ -442,8 +433,7 @@ def per_block_cast_lossless(
             if error_count is not None:
                 error_count += slots.sum(dtype=torch.int32)
             n_err = int(slots.cpu().sum()) if check else 0
-        if check:
-            if n_err:
-                checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
-                            f"{n_err} inadmissible 32-column row segments")
+        if check and n_err:
+            checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
+                        f"{n_err} inadmissible 32-column row segments")
     return out, sf

@@ -265,16 +265,7 @@ def per_channel_cast_kernel(
                         xr[p, v] = xn[p, v]
             if count_slots:
                 warp_bad = T.alloc_shared((WARPS,), "int32")
-                for off in (16, 8, 4, 2, 1):
-                    nbad[0] += T.shfl_xor(nbad[0], off)
-                if tx % 32 == 0:
-                    warp_bad[tx // 32] = nbad[0]
-                T.sync_threads()
-                if tx == 0:
-                    for w in T.serial(1, WARPS):
-                        nbad[0] += warp_bad[w]
-                    if nbad[0] != 0:
-                        err[bid] = nbad[0]
+                _tl.store_cta_count(err, bid, nbad, warp_bad, tx, WARPS, False)
 
     num_slots = T.dynamic("num_slots") if count_slots else 1
 
