@@ -17,7 +17,7 @@ def test_device_stores_reach_the_host_without_a_copy():
         slots = counts.zeroed(5)  # a previous round's values are gone
         assert slots.device == torch.device("cuda", torch.cuda.current_device()) and slots.shape == (5,)
         slots[1:3].fill_(value)  # a device kernel
-        assert counts.collect(5, torch.cuda.current_stream()) == 2 * value
+        assert counts.collect(5) == 2 * value
         assert counts.host[:5].tolist() == [0, value, value, 0, 0]
     assert hostmem.host_counts(5, "cuda") is counts  # reused by this thread
     bigger = hostmem.host_counts(counts.capacity + 1, "cuda")  # grown
@@ -27,3 +27,17 @@ def test_device_stores_reach_the_host_without_a_copy():
     thread.start()
     thread.join()
     assert other[0] is not None and other[0] is not bigger  # one buffer per host thread
+
+
+@pytest.mark.gpu
+def test_collect_waits_for_the_current_stream():
+    index = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    assert hostmem.current_stream(index) == torch.cuda.current_stream()
+    counts = hostmem.host_counts(4, "cuda")
+    with torch.cuda.stream(side):
+        assert hostmem.current_stream(index) == side and hostmem.current_stream(index) is hostmem.current_stream(index)
+        slots = counts.zeroed(4)
+        torch.cuda._sleep(50_000_000)  # ~25 ms of device time before the store lands
+        slots[3:].fill_(5)
+        assert counts.collect(4) == 5

@@ -12,6 +12,7 @@ from tk_quant.per_channel_cast import (
     per_channel_cast_,
     per_channel_cast_and_transpose,
     per_channel_cast_fused,
+    per_channel_cast_fused_,
     per_channel_cast_kernel,
 )
 
@@ -195,6 +196,9 @@ def test_fused_gather_error_counts(quant):
     out, sf = per_channel_cast_fused(xin, "e4m3", 128, False, npc, pos)  # clean again: the host words were zeroed
     ref = reference.per_channel_cast_fused(xin, 128, npc, False, pos)
     assert_equal(out, ref[0]) and assert_equal(sf, ref[1])
+    out, sf = per_channel_cast_fused(xin, "e4m3", 128, False, npc, bad, check=False)  # counts to scratch: no error
+    ref = reference.per_channel_cast_fused(xin, 128, npc, False, bad)
+    assert_equal(out, ref[0]) and assert_equal(sf, ref[1])
 
 
 @gpu
@@ -203,10 +207,14 @@ def test_opcheck_compile_graph():
     out = torch.empty(256, 512, device="cuda", dtype=torch.float8_e4m3fn)
     sf = torch.empty(16, 256, device="cuda")
     opcheck(per_channel_cast_.op, (x, out, sf, 32, True, True, 1e-4))
+    pos = torch.randint(-1, 512, (384,), device="cuda", dtype=torch.int32)
+    for gather, slots in ((None, False), (pos, True)):  # no error_count: none needed / the counts go to scratch
+        t_out = x.shape[0] if gather is None else pos.shape[0]
+        out2 = torch.empty(t_out, 256, device="cuda", dtype=torch.float8_e4m3fn)
+        opcheck(per_channel_cast_fused_.op, (x, None, gather, out2, sf[: t_out // 128], None, False, 1e-4, slots))
     ref = per_channel_cast_and_transpose(x, "e4m3", 32, True)
     got = torch.compile(lambda v: per_channel_cast_and_transpose(v, "e4m3", 32, True), fullgraph=True)(x)
     assert_equal(got[0], ref[0]) and assert_equal(got[1], ref[1])
-    pos = torch.randint(-1, 512, (384,), device="cuda", dtype=torch.int32)
     ref2 = per_channel_cast_fused(x, "e4m3", 128, pos_to_token=pos)
     got2 = torch.compile(lambda v, p: per_channel_cast_fused(v, "e4m3", 128, pos_to_token=p, check=False), fullgraph=True)(x, pos)
     assert_equal(got2[0], ref2[0]) and assert_equal(got2[1], ref2[1])

@@ -90,7 +90,9 @@ class KernelFactory:
         return kernel
 
     def get(self, device, **params):
-        """The compiled kernel for ``device`` (a tensor's device or an arch) and ``params``, cached."""
+        """The compiled kernel for ``device`` and ``params``, cached: for a CUDA device (a tensor's device, an index,
+        ``"cuda:0"``) the function that launches it (``launcher``), for an arch (``"sm_90a"``, no GPU needed) the
+        ``JITKernel``. Both take the kernel's arguments in order."""
         key = (device, *params.items())
         kernel = self._cache.get(key)
         if kernel is None:
@@ -103,7 +105,8 @@ class KernelFactory:
                 if kernel is None:
                     kernel = self.compile(arch, **params)
                     self._cache[full_key] = kernel
-                self._cache[key] = kernel
+                self._cache[key] = kernel if arch == device else launcher(kernel)
+            kernel = self._cache[key]
         return kernel
 
     def source(self, arch: str, **params) -> str:
@@ -120,6 +123,20 @@ class KernelFactory:
         # Same pass context as tilelang.compile, so the source matches what compile() builds.
         with Target(target), tvm.transform.PassContext(opt_level=3, config=self.pass_configs):
             return tilelang.lower(self.factory(**params), target=target)
+
+
+def launcher(kernel) -> Callable:
+    """The compiled host function of a TileLang ``JITKernel`` (tvm_ffi backend), which checks the arguments and
+    launches the kernel on the current stream: calling it directly skips ``JITKernel.__call__`` and the adapter's
+    routing of outputs that TileLang would allocate (``out_idx``, never set by these packages), about 4 us of Python
+    per launch on the H200's host (``shared/benchmarks/probe_host_time.py``). Kernels with such outputs, or another
+    backend, are returned as they are. Loading the module needs the GPU's driver: call it for a CUDA device only."""
+    adapter = getattr(kernel, "adapter", None)
+    if adapter is None or adapter.result_idx or not hasattr(adapter, "_get_executable"):
+        return kernel
+    executable = adapter._get_executable()  # a tvm Executable when just compiled, its module when loaded from disk
+    module = executable.jit() if hasattr(type(executable), "jit") else executable
+    return module.main
 
 
 def kernel(factory: Callable | None = None, *, pass_configs: dict | None = None):

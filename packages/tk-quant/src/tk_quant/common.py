@@ -27,6 +27,7 @@ API (import from ``tk_quant.common``):
   ``stride(0) == 1 and stride(1) != 1`` (``tk_core.layout.sf_layout_of``), so a row-major ``(N, 1)`` is row-major.
 - ``dequantize(q)``: the float32 values ``decode(data) * sf`` of a ``QuantInput`` (reference use).
 - ``unpack_from_e2m1fn_x2(x, out_dtype=torch.float32)``: public FP4 decoder, ``(..., K)`` bytes -> ``(..., 2K)``.
+- ``scratch(device, dtype, n=16)``: a cached tensor for a kernel argument whose contents nobody reads.
 """
 
 from dataclasses import dataclass
@@ -234,3 +235,23 @@ def unpack_from_e2m1fn_x2(x: torch.Tensor, out_dtype: torch.dtype = torch.float3
     if x.dim() == 0:
         fail(op, "x", "at least 1-D", "a 0-d tensor")
     return decode_e2m1(unpack_e2m1(x)).to(out_dtype)
+
+
+_scratch: dict = {}  # (device, dtype) -> the largest scratch tensor handed out
+_retired: list = []  # the ones a larger request replaced
+
+
+def scratch(device, dtype: torch.dtype, n: int = 16) -> torch.Tensor:
+    """A cached 1-D tensor of at least ``n`` elements for a kernel argument whose contents nobody reads: an input
+    or output the launch's mode does not touch, error counts no caller asked for. ``torch.empty`` costs ~9 us of
+    host time per call on the H200's host (``shared/benchmarks/probe_host_time.py``). Launches on any stream may
+    write it at the same time (nobody reads it), so it is never freed: one that a larger request replaces stays
+    alive. Call it from a device op's implementation, which ``torch.compile`` does not trace."""
+    key = (device, dtype)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _retired.append(buf)
+        buf = _scratch[key] = torch.empty(max(n, 16), dtype=dtype, device=device)
+    return buf
+

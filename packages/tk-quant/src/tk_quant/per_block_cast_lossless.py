@@ -50,6 +50,7 @@ from tk_core.layout import align, ceil_div, is_power_of_two, sf_layout
 from tk_core.library import device_op
 
 from . import _tl
+from .common import scratch
 from .per_block_cast import alloc_sf_storage
 
 OP = "per_block_cast_lossless"
@@ -317,7 +318,7 @@ def per_block_cast_lossless_(
     s1: int,
     out: torch.Tensor,
     sf_flat: torch.Tensor,
-    error_slots: torch.Tensor,
+    error_slots: torch.Tensor | None,
     bm_in: int,
     bk_in: int,
     bm_out: int,
@@ -326,12 +327,16 @@ def per_block_cast_lossless_(
     zero_counts: bool = True,
 ) -> None:
     """One CTA per slot of ``error_slots`` (``num_ctas``), each writing its error count there (only a nonzero
-    one without ``zero_counts``: the caller zeroed the slots)."""
+    one without ``zero_counts``: the caller zeroed the slots); None: ``num_ctas`` slots of scratch, which nobody
+    reads."""
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
         passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out), zero_counts=zero_counts,
     )
+    if error_slots is None:
+        n = num_ctas(out.shape[0], out.shape[1], bm_out, bk_out, config.get_num_sms(data.device.index))
+        error_slots = scratch(data.device, torch.int32, n)[:n]
     k(data.view(torch.int32), sf_in_flat, out.view(torch.uint32), sf_flat, error_slots, s0, s1)
 
 
@@ -421,12 +426,17 @@ def per_block_cast_lossless(
         # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count, so
         # the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
         counts = hostmem.host_counts(n_slots, data.device) if check else None
-        slots = counts.zeroed(n_slots) if counts is not None else torch.empty(n_slots, dtype=torch.int32, device=data.device)
+        if counts is not None:
+            slots = counts.zeroed(n_slots)
+        elif check or error_count is not None:
+            slots = torch.empty(n_slots, dtype=torch.int32, device=data.device)
+        else:
+            slots = None  # nobody reads the counts: the op writes them to scratch
         sf_in_flat, s0, s1 = _sf_flat(sf_in)
         per_block_cast_lossless_(data, sf_in_flat, s0, s1, out, flat, slots, bm_in, bk_in, bm_out, bk_out, layout,
                                  counts is None)
         if counts is not None:
-            n_err = counts.collect(n_slots, torch.cuda.current_stream(data.device))
+            n_err = counts.collect(n_slots)
             if error_count is not None:
                 error_count += n_err
         else:

@@ -44,6 +44,7 @@ from tk_core.library import device_op
 from tk_core.ptx import E4M3X4_TO_F32, e4m3x4_to_f32
 
 from . import _tl
+from .common import scratch
 
 THREADS = 256
 BM = 128  # tokens per tile
@@ -372,17 +373,20 @@ def per_channel_cast_fused_(
     pos_to_token: torch.Tensor | None,
     out: torch.Tensor,
     sf: torch.Tensor,
-    error_count: torch.Tensor,
+    error_count: torch.Tensor | None,
     round_sf: bool,
     clamp_min: float,
     count_slots: bool = False,
 ) -> None:
     """With ``pos_to_token``, bad indices are added atomically to ``error_count[0]``, or with ``count_slots`` each
-    CTA's count goes to ``error_count[cta]`` when it is nonzero (``num_ctas`` zeroed slots)."""
+    CTA's count goes to ``error_count[cta]`` when it is nonzero (``num_ctas`` zeroed slots); ``error_count`` None
+    with ``count_slots``: the counts go to scratch (nobody reads them)."""
     quant_in = x_sf is not None
     k = _kernel_for(x, 128, round_sf, pos_to_token is not None, quant_in, False, count_slots)
     args = [x] + ([x_sf] if quant_in else []) + ([pos_to_token] if pos_to_token is not None else []) + [out, sf]
     if pos_to_token is not None:
+        if error_count is None:
+            error_count = scratch(x.device, torch.int32, num_ctas(x, out.shape[0], quant_in))
         args.append(error_count)
     k(*args, clamp_min)
 
@@ -515,27 +519,23 @@ def per_channel_cast_fused(
     if t_out:
         # A gather's bad indices: with check=True per-CTA counts in zeroed pinned host memory, written only when
         # nonzero and read after a stream sync (no fill kernel before, no copy after); with error_count atomics into
-        # the caller's device counter; with neither per-CTA counts into scratch that nobody reads.
+        # the caller's device counter; with neither per-CTA counts into scratch that nobody reads (the op's).
         gather = pos_to_token is not None
-        counts, slots = None, False
-        if not gather:
-            err = torch.empty(1, dtype=torch.int32, device=data.device)  # unused
-        elif not check and error_count is not None:
-            err = error_count
-        else:
+        counts, err, slots = None, None, False
+        if gather and not check:
+            err, slots = error_count, error_count is None
+        elif gather:
             n_slots = num_ctas(data, t_out, x_sf is not None)
-            counts = hostmem.host_counts(n_slots, data.device) if check else None
+            counts = hostmem.host_counts(n_slots, data.device)
             if counts is not None:
                 err, slots = counts.zeroed(n_slots), True
-            elif check:  # no host counts on this system: one device counter, copied to the host
+            else:  # no host counts on this system: one device counter, copied to the host
                 err = torch.zeros(1, dtype=torch.int32, device=data.device)
-            else:
-                err, slots = torch.empty(n_slots, dtype=torch.int32, device=data.device), True
         per_channel_cast_fused_(data, x_sf, pos_to_token, out, sf, err, bool(round_sf), config.get_amax_clamp("e4m3"),
                                 slots)
         if gather and check:
             if counts is not None:
-                n_bad = counts.collect(n_slots, torch.cuda.current_stream(data.device))
+                n_bad = counts.collect(n_slots)
             else:
                 n_bad = int(err.item())
             if error_count is not None:

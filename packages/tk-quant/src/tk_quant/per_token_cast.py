@@ -59,6 +59,7 @@ from .common import (
     check_quant_input,
     data_from_reference,
     data_out,
+    scratch,
     sf_kernel_args,
     sf_kind,
     sf_out_layout,
@@ -412,17 +413,6 @@ def per_token_cast_kernel(
 # --- device op -----------------------------------------------------------------------------------
 
 
-_dummies: dict = {}
-
-
-def _dummy(device, dtype) -> torch.Tensor:
-    key = (device, dtype)
-    d = _dummies.get(key)
-    if d is None:
-        d = _dummies[key] = torch.empty(16, dtype=dtype, device=device)
-    return d
-
-
 @device_op("tk_quant::per_token_cast", mutates_args=("out", "out_sf"))
 def _per_token_cast_op(
     x: torch.Tensor,
@@ -452,13 +442,13 @@ def _per_token_cast_op(
     if in_sf is not None:
         params.update(in_sf=in_sf, in_bm=x_bm, in_bk=x_bk)
     k = per_token_cast_kernel.get(x.device, **params)
-    xsf, xs0, xs1 = sf_kernel_args(x_sf) if x_sf is not None else (_dummy(x.device, torch.uint8), 0, 0)
+    xsf, xs0, xs1 = sf_kernel_args(x_sf) if x_sf is not None else (scratch(x.device, torch.uint8), 0, 0)
     if out_sf is not None:
         sf, s0, s1 = sf_kernel_args(out_sf)
     else:  # cast_only writes no SF; the kernel's (unused) SF argument is float32
-        sf, s0, s1 = _dummy(x.device, torch.float32), 0, 0
+        sf, s0, s1 = scratch(x.device, torch.float32), 0, 0
     if out is None:
-        y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
+        y = scratch(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
     else:
         y = out.view(-1) if fmt == "e4m3" else out.view(-1).view(torch.int32)
     k(x, xsf, y, sf, xs0, xs1, s0, s1, clamp_min, int32_bits(seed))
@@ -470,9 +460,9 @@ def _fake_quant_op(x: torch.Tensor, fmt: str, num_per_channels: int, round_sf: b
     xa = vector_aligned(x, 16)
     k = per_token_cast_kernel.get(x.device, in_dtype=_IN_DTYPE[x.dtype], fmt=fmt, hidden=x.shape[1], bk=num_per_channels,
                                   round_sf=round_sf, mode="fake", sf_out="e4m3" if e4m3_sf else "fp32")
-    y = _dummy(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
-    sf = _dummy(x.device, torch.float8_e4m3fn if e4m3_sf else torch.float32)  # (unused: no SF is written)
-    k(xa, _dummy(x.device, torch.uint8), y, sf, 0, 0, 0, 0, clamp_min, 0)
+    y = scratch(x.device, torch.float8_e4m3fn if fmt == "e4m3" else torch.int32)
+    sf = scratch(x.device, torch.float8_e4m3fn if e4m3_sf else torch.float32)  # (unused: no SF is written)
+    k(xa, scratch(x.device, torch.uint8), y, sf, 0, 0, 0, 0, clamp_min, 0)
     if xa is not x:
         x.copy_(xa)
 
