@@ -3,8 +3,9 @@
     python3 packages/tk-quant/benchmarks/sweep_lossless.py [variant ...]
 
 Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread),
-``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs) and ``seg`` (values per thread and
-row) on every anchor line, or ``grid="tiles"`` (one CTA per tile instead of the persistent grid). Each variant
+``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs), ``seg`` (values per thread and
+row) and ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight) on every anchor line, or ``grid="tiles"`` (one
+CTA per tile instead of the persistent grid). Each variant
 is compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32: out blocks 1x128,
 32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against
 ``tk_quant.reference`` (data, SF and the error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs
@@ -44,6 +45,12 @@ VARIANTS = {
     "mb4": dict(min_blocks=4),
     "p2mb5": dict(passes=2, min_blocks=5),  # 45 registers (1 x 128, 32 x 32)
     "tiles": dict(grid="tiles"),  # the default kernel launched with one CTA (and error slot) per tile
+    # tiles in flight (``default_bufs``: 2 ahead for 1-row output blocks, else 1): one, two (75-78 registers, no
+    # spill at 3 CTAs per SM), three at 2 CTAs per SM. Session 18: b3 +0.8-0.9 % on 1 x 128, -0.9 / -1.9 % on 32 x 32 /
+    # 128 x 128 against b2; b4mb2 lost on three of the four lines
+    "b2": dict(bufs=2),
+    "b3": dict(bufs=3),
+    "b4mb2": dict(bufs=4, min_blocks=2),
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -66,7 +73,7 @@ def params(h, ob, packed, in_packed, over):
     seg = over.get("seg") or SEG
     mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
     return dict(hidden=h, bm_in=1, bk_in=32, in_kind="packed" if in_packed else "fp32", bm_out=ob[0], bk_out=ob[1],
-                layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg)
+                layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg, bufs=over.get("bufs", 0))
 
 
 def fp4_input(t, h, in_sf=(False, False), bad=False):

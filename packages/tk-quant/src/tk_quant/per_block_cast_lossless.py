@@ -36,8 +36,8 @@ exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte permutes
 the LUT, sign bit moved into place), about 4.5 SASS per value. The block maximum of exponents is taken in-thread
 over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column row segment), and through
 shared memory (one partial per warp, one barrier per tile) only for blocks taller than a warp's rows. A
-persistent grid (SMs x 3 CTAs) walks the tiles and prefetches the next tile (data and raw input scales) into
-the other register buffer while the current one is converted and stored. Index math is int32 per tile. The
+persistent grid (SMs x 3 CTAs) walks the tiles and prefetches the next tile (the next two for 1-row output
+blocks; data and raw input scales) into register buffers while the current one is converted and stored. Index math is int32 per tile. The
 token count and the input SF strides are runtime arguments.
 """
 
@@ -67,6 +67,14 @@ ERR_SEG = 32  # columns per counted error: the unit of the spec's error count (a
 PASSES = 4
 # CTAs per SM the op launches: 3 (the registers would allow 4; 4 measured 1-2 % slower on the 2-D blocks).
 MIN_BLOCKS = 3
+
+
+def default_bufs(bm_out: int) -> int:
+    """Tile buffers per thread (``bufs - 1`` tiles in flight while one is converted): 3 for one-row output blocks,
+    2 otherwise. A third buffer (75-78 registers, no spill at 3 CTAs per SM) measured +0.8-0.9 % on the 1 x 128
+    lines and -0.9 / -1.9 % on 32 x 32 / 128 x 128 (H200, two alternating runs, ``sweep_lossless.py default b3``;
+    PERF-NOTES session 18); a fourth at 2 CTAs per SM lost on three of the four lines."""
+    return 3 if bm_out == 1 else 2
 
 
 def default_min_blocks(rows: int, bm_out: int, seg: int = SEG) -> int:
@@ -139,19 +147,21 @@ def per_block_cast_lossless_kernel(
     min_blocks: int = 0,
     seg: int = SEG,
     zero_counts: bool = True,
+    bufs: int = 0,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
-    holds a whole output block row).
+    holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
-    ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads its next tile (data and raw input scales) into
-    the other of two register buffers (the loop is unrolled by two: no copies between them) before it converts
-    and stores the current one, so loads stay in flight across the conversion and the stores.
+    ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
+    and raw input scales) into the register buffer the previous tile freed (the loop is unrolled by ``bufs``: no
+    copies between them) before it converts and stores the current one, so loads stay in flight across the
+    conversion and the stores.
 
     Block maximum: in-thread over a thread's rows, then xor-shuffles over the lanes of the block; only blocks
-    taller than a warp's rows (128 x bk) go through shared memory: one partial per warp (double-buffered by
-    tile parity), one barrier per tile.
+    taller than a warp's rows (128 x bk) go through shared memory: one partial per warp (one buffer per tile
+    buffer), one barrier per tile.
 
     Each CTA writes its count of inadmissible 32-column row segments to its slot of ``err``, zero or not, so
     no counter has to be zeroed by another launch; with ``zero_counts`` False only a nonzero count is written
@@ -159,6 +169,7 @@ def per_block_cast_lossless_kernel(
     the input is clean)."""
     BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, seg)
+    bufs = bufs or default_bufs(bm_out)
     num_tokens = T.dynamic("num_tokens")
     sf_in_len = T.dynamic("sf_in_len")
     sf_len = T.dynamic("sf_len")
@@ -221,7 +232,7 @@ def per_block_cast_lossless_kernel(
             for off in offsets:
                 em[g] = T.max(em[g], T.shfl_xor(em[g], off))
         if WPB > 1:
-            # one partial per warp and block column; buffers alternate by tile parity, so a fast warp writing
+            # one partial per warp and block column; consecutive tiles use different buffers, so a fast warp writing
             # the next tile's partials never overwrites ones a slow warp still reads
             w = tx // 32
             if (tx % 32) % TPR % (bk_out // seg) == 0 and (tx % 32) < TPR:
@@ -260,10 +271,10 @@ def per_block_cast_lossless_kernel(
 
     @T.macro
     def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm, par):
-        """Tile ``it``: load tile ``it + 1`` into the other buffer, then convert this one."""
+        """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one."""
         if it < niter:
-            if it + 1 < niter:
-                load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + 1) * nctas, tx)
+            if it + bufs - 1 < niter:
+                load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + bufs - 1) * nctas, tx)
             convert(out, sf, nerr, part, xc, swc, rc, cc, par, tx, nm)
 
     @T.prim_func
@@ -281,26 +292,25 @@ def per_block_cast_lossless_kernel(
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            xa = T.alloc_local((P, seg // 8), "int32")
-            xb = T.alloc_local((P, seg // 8), "int32")
-            swa = T.alloc_local((P,), "int32")
-            swb = T.alloc_local((P,), "int32")
-            ra = T.alloc_local((1,), "int32")
-            ca = T.alloc_local((1,), "int32")
-            rb = T.alloc_local((1,), "int32")
-            cbb = T.alloc_local((1,), "int32")
-            part = T.alloc_shared((2 * NBR * NBC * WPB,), "int32")
+            # tile buffers: data, raw input scale words, first row, column
+            buf = [(T.alloc_local((P, seg // 8), "int32"), T.alloc_local((P,), "int32"), T.alloc_local((1,), "int32"),
+                    T.alloc_local((1,), "int32")) for _ in range(bufs)]
+            part = T.alloc_shared((bufs * NBR * NBC * WPB,), "int32")
             nerr = T.alloc_local((1,), "int32")
             warp_err = T.alloc_shared((THREADS // 32,), "int32")
             nerr[0] = 0
             nm = T.ceildiv(num_tokens, bm_out)
             niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
 
-            load(x, sf_in, s0, s1, xa, swa, ra, ca, bid, tx)
-            for it2 in T.serial(T.truncdiv(niter + 1, 2)):
-                # two tiles per step, one per buffer
-                step(x, sf_in, s0, s1, out, sf, nerr, part, xa, swa, ra, ca, xb, swb, rb, cbb, it2 * 2, niter, num_ctas, bid, tx, nm, 0)
-                step(x, sf_in, s0, s1, out, sf, nerr, part, xb, swb, rb, cbb, xa, swa, ra, ca, it2 * 2 + 1, niter, num_ctas, bid, tx, nm, 1)
+            load(x, sf_in, s0, s1, *buf[0], bid, tx)
+            for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
+                if b < niter:
+                    load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
+            for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
+                # bufs tiles per step, one per buffer (no copies between them)
+                for b in tuple(range(bufs)):
+                    step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs], itb * bufs + b, niter,
+                         num_ctas, bid, tx, nm, b)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
             _tl.store_cta_count(err, bid, nerr, warp_err, tx, THREADS // 32, zero_counts)
 
