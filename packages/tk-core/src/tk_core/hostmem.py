@@ -36,7 +36,8 @@ _streams: dict = {}  # (stream id, device index, device type) -> torch.cuda.Stre
 def current_stream(index: int) -> torch.cuda.Stream:
     """The current stream of CUDA device ``index``. ``torch.cuda.current_stream`` builds a new ``Stream`` object
     per call (~10 us of host time on the H200's host, ``shared/benchmarks/probe_host_time.py``); here the objects
-    are cached by what identifies them, the triple torch itself builds them from."""
+    are cached by what identifies them, the triple torch itself builds them from (``torch.cuda.current_stream``
+    reads it from the same private call)."""
     key = torch._C._cuda_getCurrentStream(index)
     stream = _streams.get(key)
     if stream is None:

@@ -254,4 +254,3 @@ def scratch(device, dtype: torch.dtype, n: int = 16) -> torch.Tensor:
             _retired.append(buf)
         buf = _scratch[key] = torch.empty(max(n, 16), dtype=dtype, device=device)
     return buf
-

@@ -37,8 +37,8 @@ the LUT, sign bit moved into place), about 4.5 SASS per value. The block maximum
 over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column row segment), and through
 shared memory (one partial per warp, one barrier per tile) only for blocks taller than a warp's rows. A
 persistent grid (SMs x 3 CTAs) walks the tiles and prefetches the next tile (the next two for 1-row output
-blocks; data and raw input scales) into register buffers while the current one is converted and stored. Index math is int32 per tile. The
-token count and the input SF strides are runtime arguments.
+blocks; data and raw input scales) into register buffers while the current one is converted and stored. Index
+math is int32 per tile. The token count and the input SF strides are runtime arguments.
 """
 
 import tilelang.language as T
