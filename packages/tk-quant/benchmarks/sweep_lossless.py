@@ -4,7 +4,7 @@
 
 Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread),
 ``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs), ``seg`` (values per thread and
-row) and ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight) on every anchor line, or ``grid="tiles"`` (one
+row), ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight) and ``int_lut`` on every anchor line, or ``grid="tiles"`` (one
 CTA per tile instead of the persistent grid). Each variant
 is compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32: out blocks 1x128,
 32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against
@@ -41,16 +41,24 @@ from tk_quant.per_block_cast_lossless import (
 # name: kernel overrides (passes = rows per thread, min_blocks = CTAs per SM, seg = values per thread and row);
 # {} is what the op launches
 VARIANTS = {
-    "default": {},  # 16 values x 4 rows per thread, 3 CTAs per SM
-    "mb4": dict(min_blocks=4),
-    "p2mb5": dict(passes=2, min_blocks=5),  # 45 registers (1 x 128, 32 x 32)
+    "default": {},  # 16 values x 2 rows per thread (4 for 128 x 128), 6 CTAs per SM for 1-row blocks, else 5 (3)
+    # session 18's default: 4 rows at 3 CTAs per SM (``bufs``: tile buffers, ``bufs - 1`` tiles in flight)
+    "p4": dict(passes=4, min_blocks=3),
+    "p4b2": dict(passes=4, min_blocks=3, bufs=2),
+    "p4b3": dict(passes=4, min_blocks=3, bufs=3),
+    "p4mb4": dict(passes=4, min_blocks=4),
+    "p4b4mb2": dict(passes=4, min_blocks=2, bufs=4),
     "tiles": dict(grid="tiles"),  # the default kernel launched with one CTA (and error slot) per tile
-    # tiles in flight (``default_bufs``: 2 ahead for 1-row output blocks, else 1): one, two (75-78 registers, no
-    # spill at 3 CTAs per SM), three at 2 CTAs per SM. Session 18: b3 +0.8-0.9 % on 1 x 128, -0.9 / -1.9 % on 32 x 32 /
-    # 128 x 128 against b2; b4mb2 lost on three of the four lines
-    "b2": dict(bufs=2),
-    "b3": dict(bufs=3),
-    "b4mb2": dict(bufs=4, min_blocks=2),
+    # the e4m3 byte LUT from seven multiplications and four conversions per row and tile (session 19: built by
+    # integer arithmetic when every value stays normal)
+    "flut": dict(int_lut=False),
+    # rows per thread x CTAs per SM (registers on sm_90a: p2mb5 42-48, p2mb6 39-40, p1mb8 31-32; no spill)
+    "p2mb5": dict(passes=2, min_blocks=5),
+    "p2mb6": dict(passes=2, min_blocks=6),
+    "p2mb6b2": dict(passes=2, min_blocks=6, bufs=2),
+    "p2mb5b2": dict(passes=2, min_blocks=5, bufs=2),
+    "p1mb8": dict(passes=1, min_blocks=8),
+    "p1mb8b2": dict(passes=1, min_blocks=8, bufs=2),
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -71,9 +79,11 @@ def params(h, ob, packed, in_packed, over):
     over = {key: val for key, val in over.items() if key != "grid"}
     passes = over.get("passes") or PASSES
     seg = over.get("seg") or SEG
-    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], seg)
-    return dict(hidden=h, bm_in=1, bk_in=32, in_kind="packed" if in_packed else "fp32", bm_out=ob[0], bk_out=ob[1],
-                layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg, bufs=over.get("bufs", 0))
+    in_kind = "packed" if in_packed else "fp32"
+    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg)[2], ob[0], ob[1], in_kind, seg)
+    return dict(hidden=h, bm_in=1, bk_in=32, in_kind=in_kind, bm_out=ob[0], bk_out=ob[1],
+                layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg, bufs=over.get("bufs", 0),
+                int_lut=over.get("int_lut", True))
 
 
 def fp4_input(t, h, in_sf=(False, False), bad=False):

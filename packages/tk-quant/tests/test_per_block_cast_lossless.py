@@ -8,6 +8,10 @@ from tk_core.testing import assert_equal, capture_cuda_graph, opcheck
 from tk_core.testing.generators import generate_rand_float
 from tk_quant import reference
 from tk_quant.per_block_cast_lossless import (
+    _FP4,
+    LUT_BASE,
+    LUT_D_MIN,
+    LUT_STEP,
     num_ctas,
     per_block_cast_lossless,
     per_block_cast_lossless_,
@@ -19,13 +23,13 @@ OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512)]
 LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True
 
 
-def _fp4_input(t, h, in_layout, device="cpu", spread=9):
-    """FP4 data with 1x32 power-of-two scales whose dynamic range is bounded by 2**spread."""
+def _fp4_input(t, h, in_layout, device="cpu", spread=9, in_block=(1, 32)):
+    """FP4 data with power-of-two scales of ``in_block`` blocks whose dynamic range is bounded by 2**spread."""
     x = generate_rand_float((t, h), device=device)
     m = x.abs().max() if x.numel() else torch.tensor(1.0)
     x = torch.where(x.abs() < m / 2**spread, torch.sign(x) * m / 2**spread + (x == 0) * m / 2**spread, x)
     col, packed = in_layout
-    return reference.cast(x, "e2m1", (1, 32), round_sf=True, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    return reference.cast(x, "e2m1", in_block, round_sf=True, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
 
 
 def _bits(a):
@@ -98,6 +102,21 @@ def test_validation(kwargs, exc, msg):
 
 # --- compile tier -------------------------------------------------------------------------------------
 
+def test_integer_lut_is_the_e4m3_encoding():
+    # the kernel's LUT words for LUT_D_MIN <= d <= 6 against torch's e4m3 encoding of each code * 2**d; one step
+    # lower the code 0.5 becomes subnormal and the shortcut would be wrong
+    def words(d):
+        return [(base + (d % 2**32) * step) % 2**32 for base, step in zip(LUT_BASE, LUT_STEP)]
+
+    def encoded(d):
+        b = (torch.tensor(_FP4, dtype=torch.float64) * 2.0**d).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+        return [b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24]
+
+    for d in range(LUT_D_MIN, 7):
+        assert words(d) == encoded(d), d
+    assert words(LUT_D_MIN - 1) != encoded(LUT_D_MIN - 1)
+
+
 COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="row"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=32, bk_out=32, layout="row"),
@@ -106,6 +125,11 @@ COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="row", zero_counts=False),
     dict(hidden=576, bm_in=1, bk_in=32, in_kind="packed", bm_out=32, bk_out=32, layout="packed"),
     dict(hidden=576, bm_in=1, bk_in=32, in_kind="fp32", bm_out=2, bk_out=64, layout="row"),
+    # the CTAs per SM of default_min_blocks without spills: 5 where 6 would spill, 2 for 8 rows per thread
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="packed", bm_out=1, bk_out=32, layout="row"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=1024, layout="packed"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=512, layout="col"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="packed", bm_out=64, bk_out=512, layout="packed"),
 ]
 
 
@@ -142,6 +166,37 @@ def test_kernel_matches_reference(t, h, out_block, in_layout, out_layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 127, 1001])
+@pytest.mark.parametrize(("in_block", "out_block"), [((16, 32), (32, 32)), ((16, 32), (128, 128)), ((8, 64), (8, 64)),
+                                                     ((8, 64), (64, 512)), ((2, 128), (4, 256))])
+def test_taller_and_wider_input_blocks(t, in_block, out_block):
+    # input blocks of several rows and columns: lanes and rows that share an input scale skip their butterfly steps
+    xq = tuple(v.cuda() for v in _fp4_input(t, 576, (False, False), in_block=in_block))
+    ref = reference.per_block_cast_lossless(xq, "e4m3", in_block, out_block)
+    out, sf = per_block_cast_lossless(xq, "e4m3", in_block, out_block)
+    assert ref[2] == 0
+    assert_equal(out, ref[0])
+    assert_equal(sf, ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_block", OUT_BLOCKS)
+def test_every_scale_ratio_matches_reference(out_block):
+    # every code in every row; per 128 columns one input scale 2**0 and three of 2**-1 .. 2**-14, so that the
+    # ratios d = e_i - e_out of a 1 x 128 block run over 6 .. -8: both ways of building the LUT, and the edge between
+    t, h = 37, 640
+    data = (torch.arange(t * h // 2, dtype=torch.int32) * 37 % 256).to(torch.uint8).view(torch.int8).view(t, h // 2)
+    j = (torch.arange(t * h // 32).view(t, h // 32) % 14) + 1
+    j[:, ::4] = 0
+    xq = (data.cuda(), (2.0 ** -j.double()).float().cuda())
+    ref = reference.per_block_cast_lossless(xq, "e4m3", (1, 32), out_block)
+    assert ref[2] == 0
+    out, sf = per_block_cast_lossless(xq, "e4m3", (1, 32), out_block)
+    assert_equal(out, ref[0])
+    assert_equal(sf, ref[1])
+
+
+@pytest.mark.gpu
 def test_error_count_sums_every_cta():
     # errors spread over many tiles (and so over many CTAs' slots), counted once per 32-column segment
     t, h = 4001, 2048
@@ -174,7 +229,7 @@ def test_errors_poison_opcheck_compile_graph():
     flat = torch.full((256 * 4,), float("nan"), device="cuda")
     # every CTA writes its slot, zero or not: poisoned slots must all be overwritten
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    slots = torch.full((num_ctas(256, 512, 1, 128, sms),), -1, dtype=torch.int32, device="cuda")
+    slots = torch.full((num_ctas(256, 512, 1, 128, "fp32", sms),), -1, dtype=torch.int32, device="cuda")
     per_block_cast_lossless_(xq[0], xq[1].view(torch.int32).flatten(), 16, 1, out, flat, slots, 1, 32, 1, 128, "row")
     assert slots.eq(0).all()
     # without zero_counts (the check's zeroed host slots) only the CTA that met the error writes its slot

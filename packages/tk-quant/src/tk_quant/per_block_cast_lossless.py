@@ -31,14 +31,16 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``bm_out <= 128``.
 
 Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store
-per pass, for P consecutive rows (the lanes of a warp store contiguous bytes): an 8-entry byte LUT per row (the
-exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from
-the LUT, sign bit moved into place), about 4.5 SASS per value. The block maximum of exponents is taken in-thread
-over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column row segment), and through
-shared memory (one partial per warp, one barrier per tile) only for blocks taller than a warp's rows. A
-persistent grid (SMs x 3 CTAs) walks the tiles and prefetches the next tile (the next two for 1-row output
-blocks; data and raw input scales) into register buffers while the current one is converted and stored. Index
-math is int32 per tile. The token count and the input SF strides are runtime arguments.
+per pass, for P consecutive rows (the lanes of a warp store contiguous bytes): an 8-entry byte LUT per row (two
+integer multiply-adds when every value of the row stays a normal e4m3 number, ``d_i >= LUT_D_MIN``; else the
+exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from the
+LUT, sign bit moved into place). The block maximum of exponents is taken in-thread over the rows, then with warp
+shuffles (``bm_out == 1``: one warp per 512-column row segment; lanes that share an input scale skip their
+step), and through shared memory (one partial per warp, one barrier per tile) only for blocks taller than a
+warp's rows. A persistent grid (SMs x 3-6 CTAs, ``default_min_blocks``) walks the tiles and prefetches the next
+tile (the next two for 1-row output blocks; data and raw input scales) into register buffers while the current
+one is converted and stored. Index math is int32 per tile. The token count and the input SF strides are runtime
+arguments.
 """
 
 import tilelang.language as T
@@ -62,27 +64,32 @@ THREADS = 256
 # 32 values x 2 rows (sweeps/sweep_lossless_s4.log).
 SEG = 16
 ERR_SEG = 32  # columns per counted error: the unit of the spec's error count (and the smallest input block)
-# Consecutive rows per thread (at least; raised for a block row per tile). With 16 values, 2 rows measured 1-2 %
-# slower on the 2-D blocks than 4, and 8 rows per thread at 32 values lost 10-14 % (fewer warps).
-PASSES = 4
-# CTAs per SM the op launches: 3 (the registers would allow 4; 4 measured 1-2 % slower on the 2-D blocks).
-MIN_BLOCKS = 3
+# Consecutive rows per thread (at least; raised so that a tile holds a whole output block row: 4 for 128 x 128).
+# 2 rows at 5-6 CTAs per SM measured 1.3-2.0 % faster than 4 rows at 3 on the 1 x 128 and 32 x 32 lines once the
+# byte LUT came from integer arithmetic (H200, ``sweep_lossless.py default p2mb5 p2mb6``; PERF-NOTES session 19);
+# before it, 2 rows had been 1-2 % slower on the 2-D blocks. 8 rows per thread at 32 values lost 10-14 % (fewer warps).
+PASSES = 2
 
 
 def default_bufs(bm_out: int) -> int:
     """Tile buffers per thread (``bufs - 1`` tiles in flight while one is converted): 3 for one-row output blocks,
-    2 otherwise. A third buffer (75-78 registers, no spill at 3 CTAs per SM) measured +0.8-0.9 % on the 1 x 128
-    lines and -0.9 / -1.9 % on 32 x 32 / 128 x 128 (H200, two alternating runs, ``sweep_lossless.py default b3``;
-    PERF-NOTES session 18); a fourth at 2 CTAs per SM lost on three of the four lines."""
+    2 otherwise. A third buffer measured +0.8-0.9 % on the 1 x 128 lines and -0.9 / -1.9 % on 32 x 32 / 128 x 128
+    (4 rows per thread at 3 CTAs per SM; H200, two alternating runs; PERF-NOTES session 18), and at 2 rows and 6
+    CTAs per SM +2.6 / +2.9 % on the 1 x 128 lines (session 19); a fourth at 2 CTAs per SM lost on three lines."""
     return 3 if bm_out == 1 else 2
 
 
-def default_min_blocks(rows: int, bm_out: int, seg: int = SEG) -> int:
-    """CTAs per SM for ``rows`` rows of ``seg`` values per thread: ``MIN_BLOCKS`` for the tuned tile (``PASSES``
-    rows of ``SEG`` values), else the most whose register cap holds both tile buffers without spills (sm_90a: 16
-    x 4 needs 64 registers, 32 x 2 55-59; 32 x 4 needs 76 for 1 x 128 and 64 for 2-D blocks)."""
-    if (rows, seg) == (PASSES, SEG):
-        return MIN_BLOCKS
+def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: int = SEG) -> int:
+    """CTAs per SM for ``rows`` rows of ``seg`` values per thread. The tuned tiles (``SEG`` values; H200, PERF-NOTES
+    session 19): 2 rows at 6 CTAs for one-row output blocks from fp32 input scales up to 512 columns (39-40 registers
+    on sm_90a with three tile buffers; 32 x 32 blocks lost 5 % there; UE8M0 input or 1,024-column blocks spill
+    at 40) and 5 otherwise (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104).
+    Else the most CTAs whose register cap holds both tile buffers without spills (sm_90a: 32 x 2 needs 55-59
+    registers, 32 x 4 76 for 1 x 128 and 64 for 2-D blocks)."""
+    if seg == SEG and rows <= 8:
+        if rows == 2:
+            return 6 if bm_out == 1 and in_kind == "fp32" and bk_out <= 512 else 5
+        return {4: 3, 8: 2}[rows]
     pieces = rows * seg // 16  # 16-value (8-byte) pieces per row buffer
     if pieces <= 4 or (pieces <= 8 and bm_out > 1):
         return 4
@@ -98,15 +105,29 @@ def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG) -> tup
     return BK, TPR, max(passes, bm_out * TPR // THREADS)
 
 
-def num_ctas(t: int, h: int, bm_out: int, bk_out: int, sms: int) -> int:
+def num_ctas(t: int, h: int, bm_out: int, bk_out: int, in_kind: str, sms: int) -> int:
     """CTAs (and error slots) the op launches for ``t`` tokens of ``h`` values: SMs x CTAs per SM, or one per
     tile when there are fewer tiles."""
     bk, tpr, p = _tile(bm_out, bk_out)
     rows = THREADS // tpr * p  # rows per tile
-    return min(ceil_div(h, bk) * ceil_div(t, rows), sms * default_min_blocks(p, bm_out))
+    return min(ceil_div(h, bk) * ceil_div(t, rows), sms * default_min_blocks(p, bm_out, bk_out, in_kind))
 
 
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
+
+
+def _pack_bytes(b) -> int:
+    return b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+
+
+# The byte LUT by integer arithmetic: for ``LUT_D_MIN <= d <= 6`` every ``code * 2**d`` is a normal e4m3 value
+# (or zero), so its byte is the byte at ``d = 0`` plus ``8 * d`` (the exponent field) for every nonzero code: one
+# IMAD per LUT word instead of seven multiplications and four conversions. ``d <= 6`` always holds (``e_out >= E -
+# 6``); below ``LUT_D_MIN`` (0.5 * 2**d under 2**-6, subnormal) and for zero scales the float path builds the LUT.
+_E4M3_AT_D0 = torch.tensor(_FP4).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+LUT_D_MIN = -5
+LUT_BASE = (_pack_bytes(_E4M3_AT_D0[:4]), _pack_bytes(_E4M3_AT_D0[4:]))
+LUT_STEP = tuple(_pack_bytes([8 if b else 0 for b in half]) for half in (_E4M3_AT_D0[:4], _E4M3_AT_D0[4:]))
 
 # Device helpers (exact; bit-identical to a per-value ``(float8_e4m3fn)(code * scale)`` plus the sign bit):
 # - tk_e4m3x4: the 4 e4m3 bytes of 4 floats, two hardware RN/satfinite conversions (F2FP pairs);
@@ -148,6 +169,7 @@ def per_block_cast_lossless_kernel(
     seg: int = SEG,
     zero_counts: bool = True,
     bufs: int = 0,
+    int_lut: bool = True,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
@@ -168,7 +190,7 @@ def per_block_cast_lossless_kernel(
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
     BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg)
-    min_blocks = min_blocks or default_min_blocks(P, bm_out, seg)
+    min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
     num_tokens = T.dynamic("num_tokens")
     sf_in_len = T.dynamic("sf_in_len")
@@ -184,8 +206,10 @@ def per_block_cast_lossless_kernel(
     nk = ceil_div(hidden, bk_out)
     in_dtype = "uint8" if in_kind == "packed" else "int32"
     sf_dtype = "uint8" if layout == "packed" else "float32"
-    offsets = [1 << i for i in range(5) if (1 << i) < bk_out // seg]
-    offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and (P << i) < bm_out]
+    # lane distances of the block maximum's butterfly; a step whose lanes pair up inside one input block (they
+    # hold the same scale: bk_in // seg lanes per input block, bm_in // P lane rows) changes nothing and is left out
+    offsets = [1 << i for i in range(5) if bk_in // seg <= (1 << i) < bk_out // seg]
+    offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and bm_in <= (P << i) < bm_out]
 
     @T.macro
     def load(x, sf_in, s0, s1, xb, sw, lr, lc, tile, tx):
@@ -248,11 +272,16 @@ def per_block_cast_lossless_kernel(
                 # one count per 32-column segment: its threads share the input scale (bk_in >= 32)
                 if (bad[p] != 0 or (ex[p] != 0 and d < -8)) and lc[0] % (ERR_SEG // seg) == 0:
                     nerr[0] += 1
-                scl[0] = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
-                s = scl[0]
-                lut[0] = T.call_extern("uint32", "tk_e4m3x4", T.float32(0), T.float32(_FP4[1]) * s, s, T.float32(_FP4[3]) * s)
-                lut[1] = T.call_extern("uint32", "tk_e4m3x4", T.float32(_FP4[4]) * s, T.float32(_FP4[5]) * s,
-                                       T.float32(_FP4[6]) * s, T.float32(_FP4[7]) * s)
+                if int_lut and ex[p] != 0 and d >= LUT_D_MIN:
+                    lut[0] = T.uint32(LUT_BASE[0]) + T.cast(d, "uint32") * T.uint32(LUT_STEP[0])
+                    lut[1] = T.uint32(LUT_BASE[1]) + T.cast(d, "uint32") * T.uint32(LUT_STEP[1])
+                else:
+                    scl[0] = T.if_then_else(ex[p] == 0, T.float32(0), _tl.pow2(T.max(d, -126)))
+                    s = scl[0]
+                    lut[0] = T.call_extern("uint32", "tk_e4m3x4", T.float32(0), T.float32(_FP4[1]) * s, s,
+                                           T.float32(_FP4[3]) * s)
+                    lut[1] = T.call_extern("uint32", "tk_e4m3x4", T.float32(_FP4[4]) * s, T.float32(_FP4[5]) * s,
+                                           T.float32(_FP4[6]) * s, T.float32(_FP4[7]) * s)
                 for i in T.unroll(seg // 8):
                     ow[2 * i] = T.call_extern("uint32", "tk_fp4x4_lo", xin[p, i], lut[0], lut[1])
                     ow[2 * i + 1] = T.call_extern("uint32", "tk_fp4x4_hi", xin[p, i], lut[0], lut[1])
@@ -342,10 +371,11 @@ def per_block_cast_lossless_(
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
-        passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out), zero_counts=zero_counts,
+        passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out, bk_out, in_kind),
+        zero_counts=zero_counts,
     )
     if error_slots is None:
-        n = num_ctas(out.shape[0], out.shape[1], bm_out, bk_out, config.get_num_sms(data.device.index))
+        n = num_ctas(out.shape[0], out.shape[1], bm_out, bk_out, in_kind, config.get_num_sms(data.device.index))
         error_slots = scratch(data.device, torch.int32, n)[:n]
     k(data.view(torch.int32), sf_in_flat, out.view(torch.uint32), sf_flat, error_slots, s0, s1)
 
@@ -432,7 +462,8 @@ def per_block_cast_lossless(
     out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=data.device)
     flat, sf = alloc_sf_storage(ceil_div(t, bm_out), ceil_div(h, bk_out), layout, data.device)
     if t:
-        n_slots = num_ctas(t, h, bm_out, bk_out, config.get_num_sms(data.device.index))
+        in_kind = "packed" if sf_in.dtype == torch.int32 else "fp32"
+        n_slots = num_ctas(t, h, bm_out, bk_out, in_kind, config.get_num_sms(data.device.index))
         # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count, so
         # the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
         counts = hostmem.host_counts(n_slots, data.device) if check else None
