@@ -41,7 +41,7 @@ def test_set_num_sms_limits_the_grids_not_the_results():
     try:
         config.set_num_sms(3)
         assert channel_ctas(x, 1024, False) == 12  # 3 SMs x 4 CTAs walk the 256 tiles
-        assert lossless_ctas(t, h, 32, 32, config.get_num_sms()) == 9  # 3 SMs x 3 CTAs
+        assert lossless_ctas(t, h, 32, 32, "fp32", config.get_num_sms()) == 15  # 3 SMs x 5 CTAs
         few = _run(x, xq, pos, decode_args)  # the decode waits on no CTA it might not get: two launches
     finally:
         config.reset()
