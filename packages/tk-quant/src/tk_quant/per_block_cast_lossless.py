@@ -86,10 +86,10 @@ def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: i
     at 40) and 5 otherwise (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104).
     Else the most CTAs whose register cap holds both tile buffers without spills (sm_90a: 32 x 2 needs 55-59
     registers, 32 x 4 76 for 1 x 128 and 64 for 2-D blocks)."""
-    if seg == SEG and rows <= 8:
-        if rows == 2:
-            return 6 if bm_out == 1 and in_kind == "fp32" and bk_out <= 512 else 5
-        return {4: 3, 8: 2}[rows]
+    if seg == SEG and rows == 2:
+        return 6 if bm_out == 1 and in_kind == "fp32" and bk_out <= 512 else 5
+    if seg == SEG and rows in (4, 8):
+        return 3 if rows == 4 else 2
     pieces = rows * seg // 16  # 16-value (8-byte) pieces per row buffer
     if pieces <= 4 or (pieces <= 8 and bm_out > 1):
         return 4
@@ -173,7 +173,8 @@ def per_block_cast_lossless_kernel(
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
-    holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``).
+    holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``); ``int_lut`` False: every row's
+    byte LUT by the float conversions (the sweep's reference point for the integer path).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
     ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
@@ -206,8 +207,8 @@ def per_block_cast_lossless_kernel(
     nk = ceil_div(hidden, bk_out)
     in_dtype = "uint8" if in_kind == "packed" else "int32"
     sf_dtype = "uint8" if layout == "packed" else "float32"
-    # lane distances of the block maximum's butterfly; a step whose lanes pair up inside one input block (they
-    # hold the same scale: bk_in // seg lanes per input block, bm_in // P lane rows) changes nothing and is left out
+    # lane distances of the block maximum's butterfly; a step that pairs lanes of one input block (the same scale:
+    # columns within bk_in, rows within bm_in) changes nothing and is left out
     offsets = [1 << i for i in range(5) if bk_in // seg <= (1 << i) < bk_out // seg]
     offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and bm_in <= (P << i) < bm_out]
 
