@@ -4,8 +4,8 @@
 
 Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread),
 ``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs), ``seg`` (values per thread and
-row), ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight) and ``int_lut`` on every anchor line, or ``grid="tiles"`` (one
-CTA per tile instead of the persistent grid). Each variant
+row), ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight) and ``int_lut`` on every anchor line, or
+``grid="tiles"`` (one CTA per tile instead of the persistent grid). Each variant
 is compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32: out blocks 1x128,
 32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against
 ``tk_quant.reference`` (data, SF and the error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs

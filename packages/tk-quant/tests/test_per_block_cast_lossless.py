@@ -100,8 +100,6 @@ def test_validation(kwargs, exc, msg):
         per_block_cast_lossless(**args)
 
 
-# --- compile tier -------------------------------------------------------------------------------------
-
 def test_integer_lut_is_the_e4m3_encoding():
     # the kernel's LUT words for LUT_D_MIN <= d <= 6 against torch's e4m3 encoding of each code * 2**d; one step
     # lower the code 0.5 becomes subnormal and the shortcut would be wrong
@@ -116,6 +114,8 @@ def test_integer_lut_is_the_e4m3_encoding():
         assert words(d) == encoded(d), d
     assert words(LUT_D_MIN - 1) != encoded(LUT_D_MIN - 1)
 
+
+# --- compile tier -------------------------------------------------------------------------------------
 
 COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=128, layout="row"),
