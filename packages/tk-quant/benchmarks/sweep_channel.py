@@ -3,7 +3,7 @@
     python3 packages/tk-quant/benchmarks/sweep_channel.py [variant ...]
 
 Variants (``VARIANTS``): ``default`` is what the ops launch (``blocks_per_sm``, ``default_vec``, a persistent grid
-of SMs x min_blocks CTAs); the others override kernel parameters on the anchor lines they name (``QIN``: the
+of SMs x min_blocks x ``grid_waves`` CTAs); the others override kernel parameters on the anchor lines they name (``QIN``: the
 QuantTensor-input lines). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
 per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused plain and QuantTensor input), checked bit-exact
 against ``reference.py`` on odd token counts and on the anchor shape, then timed (CUPTI, L2 flushed). The first
@@ -21,7 +21,7 @@ from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, target_of
 from tk_core.testing.bench import device_time_us
 from tk_quant import reference
-from tk_quant.per_channel_cast import blocks_per_sm, per_channel_cast_kernel
+from tk_quant.per_channel_cast import blocks_per_sm, grid_waves, per_channel_cast_kernel
 
 QIN = "quant_in"  # the QuantTensor-input lines
 PLAIN = "plain"  # the bf16 / fp32 lines without a gather or transpose
@@ -41,6 +41,19 @@ VARIANTS = {
     # one CTA per tile (no persistent loop, no prefetch). Session 13: 0.3-7 % slower on the bf16 lines, 28 % on the
     # QuantTensor lines
     "tiles": (None, dict(ctas=1 << 20)),
+    # 512-thread CTAs: the same 128 x 64 tile at 2 rows per thread (40 registers at 3 CTAs per SM, 56 at 2)
+    # Session 20: -5.6 / -10.6 % (t512mb2 per_channel_cast / fused plain), -3.8 / -5.5 % (t512mb3)
+    "t512mb2": (PLAIN, dict(threads=512, min_blocks=2)),
+    "t512mb3": (PLAIN, dict(threads=512, min_blocks=3)),
+    # a persistent grid of 1-3 times the co-resident CTAs (default: ``grid_waves``, 2 for the transposed lines):
+    # later CTAs start as earlier ones finish. Session 20: 2 waves +0.6-0.9 % on the transposed lines, -0.3 % plain,
+    # -1.8 % fused plain, -4 % QuantTensor input; 3 waves -0.3 to -12 %; 1.5 and 2.5 waves (a partial last wave)
+    # -5 to -14 %
+    "w1": (None, dict(waves=1)),
+    "w1.5": (None, dict(waves=1.5)),
+    "w2": (None, dict(waves=2)),
+    "w2.5": (None, dict(waves=2.5)),
+    "w3": (None, dict(waves=3)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")
@@ -73,8 +86,10 @@ def full(p, over, sms, arch):
     q = dict(in_dtype="bfloat16", hidden=H, gather=False, quant_in=False, transpose=False) | p
     if q["quant_in"]:
         q["in_dtype"] = "float8_e4m3fn"
+    over = dict(over)
+    waves = over.pop("waves", grid_waves(q["transpose"]))
     q = q | dict(min_blocks=blocks_per_sm(q["in_dtype"], arch)) | over
-    return dict(ctas=sms * q["min_blocks"]) | q  # a variant's ``ctas`` caps the persistent grid itself
+    return dict(ctas=int(waves * sms * q["min_blocks"])) | q  # a variant's ``ctas`` caps the persistent grid itself
 
 
 def applies(sel, p):

@@ -96,13 +96,13 @@ def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: i
     return 3 if pieces <= 8 else 1
 
 
-def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG) -> tuple[int, int, int]:
+def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG, threads: int = THREADS) -> tuple[int, int, int]:
     """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""
     BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
     TPR = BK // seg
-    return BK, TPR, max(passes, bm_out * TPR // THREADS)
+    return BK, TPR, max(passes, bm_out * TPR // threads)
 
 
 def num_ctas(t: int, h: int, bm_out: int, bk_out: int, in_kind: str, sms: int) -> int:
@@ -170,11 +170,13 @@ def per_block_cast_lossless_kernel(
     zero_counts: bool = True,
     bufs: int = 0,
     int_lut: bool = True,
+    threads: int = THREADS,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
     holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``); ``int_lut`` False: every row's
-    byte LUT by the float conversions (the sweep's reference point for the integer path).
+    byte LUT by the float conversions (the sweep's reference point for the integer path); ``threads``: CTA size
+    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
     ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
@@ -190,7 +192,7 @@ def per_block_cast_lossless_kernel(
     no counter has to be zeroed by another launch; with ``zero_counts`` False only a nonzero count is written
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
-    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg)
+    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
     num_tokens = T.dynamic("num_tokens")
@@ -198,7 +200,7 @@ def per_block_cast_lossless_kernel(
     sf_len = T.dynamic("sf_len")
     num_ctas = T.dynamic("num_ctas")
     WR = 32 // TPR * P  # rows per warp
-    BM = THREADS // 32 * WR
+    BM = threads // 32 * WR
     NBC = BK // bk_out  # output block columns per tile
     G = max(P // bm_out, 1)  # block maxima per thread (one per group of bm_out rows)
     WPB = max(bm_out // WR, 1)  # warps per block (> 1: shared memory)
@@ -318,7 +320,7 @@ def per_block_cast_lossless_kernel(
         s1: T.int32,
     ):
         ntiles = NXT * T.ceildiv(num_tokens, BM)
-        with T.Kernel(num_ctas, threads=THREADS, prelude=_PRELUDE) as bid:
+        with T.Kernel(num_ctas, threads=threads, prelude=_PRELUDE) as bid:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -327,7 +329,7 @@ def per_block_cast_lossless_kernel(
                     T.alloc_local((1,), "int32")) for _ in range(bufs)]
             part = T.alloc_shared((bufs * NBR * NBC * WPB,), "int32")
             nerr = T.alloc_local((1,), "int32")
-            warp_err = T.alloc_shared((THREADS // 32,), "int32")
+            warp_err = T.alloc_shared((threads // 32,), "int32")
             nerr[0] = 0
             nm = T.ceildiv(num_tokens, bm_out)
             niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
@@ -342,7 +344,7 @@ def per_block_cast_lossless_kernel(
                     step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs], itb * bufs + b, niter,
                          num_ctas, bid, tx, nm, b)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
-            _tl.store_cta_count(err, bid, nerr, warp_err, tx, THREADS // 32, zero_counts)
+            _tl.store_cta_count(err, bid, nerr, warp_err, tx, threads // 32, zero_counts)
 
     return main
 

@@ -30,8 +30,9 @@ Kernel: 256 threads over a 128-token x 64-channel tile (128 x 128 for e4m3 input
 channels (one 16-byte bf16 vector; 16 e4m3 channels) of 4 rows and keeps them in registers; the column
 amax goes through warp shuffles and one shared-memory exchange; the transposed variant stages the e4m3
 tile in XOR-swizzled shared memory and stores 16-byte runs of tokens. A persistent grid (SMs x 4 CTAs for
-bf16 on sm_90a) walks the tiles and prefetches the next tile into registers (issued after the
-amax of the current one) while the current one is reduced and stored. The token counts are dynamic.
+bf16 on sm_90a, twice that for the transposed variant: ``grid_waves``) walks the tiles and prefetches the next
+tile into registers (issued after the amax of the current one) while the current one is reduced and stored. The
+token counts are dynamic.
 """
 
 import tilelang.language as T
@@ -49,10 +50,6 @@ from .common import scratch
 THREADS = 256
 BM = 128  # tokens per tile
 TPR = 8  # threads per row
-RPP = THREADS // TPR  # 32 rows per pass
-P = BM // RPP  # 4 passes
-WARPS = THREADS // 32
-ROWS_PER_WARP = 32 // TPR * P  # 16: each thread owns P adjacent rows
 DEFAULT_SMS = 132  # H200; the device ops pass tk_core.config.get_num_sms of the tensor's device
 
 
@@ -90,6 +87,7 @@ def per_channel_cast_kernel(
     ctas: int = 0,
     vec: int = 0,
     count_slots: bool = False,
+    threads: int = THREADS,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -98,11 +96,12 @@ def per_channel_cast_kernel(
     loads stay in flight across the barriers. The next tile waits in registers in its input dtype (a bf16 row
     of 8 channels is 4 registers, an e4m3 row of 16 channels too); the current one is widened once into a float32
     tile that both the amax and the quantization read. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
-    an unnamed arch, and ``DEFAULT_SMS`` SMs. ``vec``: channels per thread (0: ``default_vec``); the tile is
-    128 x ``8 * vec``. e4m3 input is widened four values at a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's
-    cast converts byte by byte): 17 % fewer instructions in the QuantTensor kernel, whose anchor line went from
-    22.2 to 19.7 us. (bf16 widened a word at a time measured the same as TileLang's cast: those lines are bound
-    by memory, not by issue.)
+    an unnamed arch, and ``DEFAULT_SMS`` SMs (the ops pass ``grid_waves`` times that for the transposed cast).
+    ``vec``: channels per thread (0: ``default_vec``); the tile is 128 x ``8 * vec``. ``threads``: 256 (4 rows per
+    thread) or 512 (2 rows; not transposed; a sweep variant, 4-11 % slower). e4m3 input is widened four values at
+    a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's cast converts byte by byte): 17 % fewer instructions in the
+    QuantTensor kernel, whose anchor line went from 22.2 to 19.7 us. (bf16 widened a word at a time measured the
+    same as TileLang's cast: those lines are bound by memory, not by issue.)
 
     Gather indices ``>= num_tokens`` are counted once per output row: atomically into ``err[0]``, or with
     ``count_slots`` per CTA into ``err[bid]``, written only when nonzero (the slots are zeroed host memory that
@@ -110,14 +109,18 @@ def per_channel_cast_kernel(
     """
     VEC = vec or default_vec(quant_in)
     BK = TPR * VEC  # channels per tile
-    assert not (transpose and VEC != 8)  # the swizzled transpose staging is laid out for 64-channel tiles
+    P = BM * TPR // threads  # rows per thread (adjacent, one scale block)
+    WARPS = threads // 32
+    ROWS_PER_WARP = 32 // TPR * P
+    # the swizzled transpose staging is laid out for 64-channel tiles and packs a thread's 4 rows into one word
+    assert not (transpose and (VEC != 8 or P != 4))
     min_blocks = min_blocks or blocks_per_sm(in_dtype)
     ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
     num_out = T.dynamic("num_out")
     NBT = BM // bm  # scale blocks per tile
     NX = hidden // BK  # channel tiles
-    assert BM % bm == 0 and bm % ROWS_PER_WARP == 0 and NBT * BK <= THREADS
+    assert BM % bm == 0 and bm % ROWS_PER_WARP == 0 and NBT * BK <= threads
     nt16 = T.dynamic("nt16")
     out_shape = (hidden, nt16, 4) if transpose else (num_out, hidden)
     out_dtype = "uint32" if transpose else "float8_e4m3fn"
@@ -158,7 +161,7 @@ def per_channel_cast_kernel(
     def body(x, x_sf, pos, out, sf, err, clamp_min):
         ntiles = NX * T.ceildiv(num_out, BM)
         nctas = T.min(ntiles, ctas)
-        with T.Kernel(nctas, threads=THREADS, prelude=E4M3X4_TO_F32 if quant_in else None) as bid:
+        with T.Kernel(nctas, threads=threads, prelude=E4M3X4_TO_F32 if quant_in else None) as bid:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -246,8 +249,8 @@ def per_channel_cast_kernel(
                             ),
                         )
                     T.sync_threads()
-                    for q in T.unroll(BK * BM // 16 // THREADS):
-                        chunk = q * THREADS + tx
+                    for q in T.unroll(BK * BM // 16 // threads):
+                        chunk = q * threads + tx
                         c = chunk // (BM // 16)
                         k = chunk % (BM // 16)
                         if by * (BM // 16) + k < nt16:
@@ -326,6 +329,14 @@ def per_channel_cast_kernel(
 # --- device ops -----------------------------------------------------------------------------------
 
 
+def grid_waves(transpose: bool) -> int:
+    """Size of the persistent grid in co-resident CTAs (SMs x CTAs per SM): 2 for the transposed cast, where a
+    second wave of CTAs, starting as the first one's finish, measured 0.6-0.9 % faster on the four anchor lines
+    (H200, three runs of ``sweep_channel.py``: ``w1`` against the default); 1 otherwise (two waves: plain -0.3 %,
+    fused plain -1.8 %, QuantTensor input -4 %). 1.5 or 2.5 waves leave a partial last wave: -5 to -14 %."""
+    return 2 if transpose else 1
+
+
 def _grid(x: torch.Tensor, quant_in: bool) -> tuple[str, int, int]:
     """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device: SMs
     x CTAs per SM, with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit recompiles)."""
@@ -343,6 +354,7 @@ def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
 def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool,
                 count_slots: bool = False):
     in_dtype, min_blocks, ctas = _grid(x, quant_in)
+    ctas *= grid_waves(transpose)
     return per_channel_cast_kernel.get(
         x.device,
         in_dtype=in_dtype,
