@@ -458,24 +458,33 @@ def per_block_cast_lossless(
         )
         if error_count is not None:
             error_count += n_err
-        if check and n_err:
-            checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
-                        f"{n_err} inadmissible 32-column row segments")
-        return out, sf
+    else:
+        out, sf, n_err = _cast_on_device(data, sf_in, t, h, bm_in, bk_in, bm_out, bk_out, layout, check, error_count)
+    if check and n_err:
+        checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
+                    f"{n_err} inadmissible 32-column row segments")
+    return out, sf
+
+
+def _cast_on_device(data: torch.Tensor, sf_in: torch.Tensor, t: int, h: int, bm_in: int, bk_in: int, bm_out: int,
+                    bk_out: int, layout: str, check: bool, error_count: torch.Tensor | None):
+    """(out, sf, inadmissible segments counted: 0 unless ``check``) of the kernel on ``data``'s CUDA device; the
+    count is added to ``error_count`` on the device."""
     out = torch.empty((t, h), dtype=torch.float8_e4m3fn, device=data.device)
     flat, sf = alloc_sf_storage(ceil_div(t, bm_out), ceil_div(h, bk_out), layout, data.device)
+    n_err = 0
     if t:
-        in_kind = "packed" if sf_in.dtype == torch.int32 else "fp32"
-        n_slots = num_ctas(t, h, bm_out, bk_out, in_kind, config.get_num_sms(data.device.index))
-        # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count, so
-        # the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
-        counts = hostmem.host_counts(n_slots, data.device) if check else None
-        if counts is not None:
-            slots = counts.zeroed(n_slots)
-        elif check or error_count is not None:
-            slots = torch.empty(n_slots, dtype=torch.int32, device=data.device)
-        else:
-            slots = None  # nobody reads the counts: the op writes them to scratch
+        counts = slots = None  # None: nobody reads the counts, the op writes them to scratch
+        if check or error_count is not None:
+            in_kind = "packed" if sf_in.dtype == torch.int32 else "fp32"
+            n_slots = num_ctas(t, h, bm_out, bk_out, in_kind, config.get_num_sms(data.device.index))
+            # check=True: the slots are zeroed pinned host memory that the kernel writes only with a nonzero count,
+            # so the check costs a stream sync and no device-to-host copy (else a copy of the slots to the host)
+            counts = hostmem.host_counts(n_slots, data.device) if check else None
+            if counts is not None:
+                slots = counts.zeroed(n_slots)
+            else:
+                slots = torch.empty(n_slots, dtype=torch.int32, device=data.device)
         sf_in_flat, s0, s1 = _sf_flat(sf_in)
         per_block_cast_lossless_(data, sf_in_flat, s0, s1, out, flat, slots, bm_in, bk_in, bm_out, bk_out, layout,
                                  counts is None)
@@ -487,7 +496,4 @@ def per_block_cast_lossless(
             if error_count is not None:
                 error_count += slots.sum(dtype=torch.int32)
             n_err = int(slots.cpu().sum()) if check else 0
-        if check and n_err:
-            checks.fail(OP, "x", "FP4 data with power-of-two scales whose spread per output block is at most 2**14",
-                        f"{n_err} inadmissible 32-column row segments")
-    return out, sf
+    return out, sf, n_err
