@@ -3,8 +3,8 @@
     python3 packages/tk-quant/benchmarks/sweep_channel.py [variant ...]
 
 Variants (``VARIANTS``): ``default`` is what the ops launch (``blocks_per_sm``, ``default_vec``, a persistent grid
-of SMs x min_blocks x ``grid_waves`` CTAs); the others override kernel parameters on the anchor lines they name (``QIN``: the
-QuantTensor-input lines). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
+of SMs x min_blocks x ``grid_waves`` CTAs); the others override kernel parameters (``waves``: the grid in
+co-resident CTAs) on the anchor lines they name (``QIN``: the QuantTensor-input lines). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
 per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused plain and QuantTensor input), checked bit-exact
 against ``reference.py`` on odd token counts and on the anchor shape, then timed (CUPTI, L2 flushed). The first
 variant also checks odd hidden sizes (and 0 tokens, fp32 input and the gather paths). One line per variant x
