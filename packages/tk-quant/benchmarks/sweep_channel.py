@@ -25,7 +25,8 @@ from tk_quant.per_channel_cast import blocks_per_sm, grid_waves, per_channel_cas
 
 QIN = "quant_in"  # the QuantTensor-input lines
 PLAIN = "plain"  # the bf16 / fp32 lines without a gather or transpose
-# name: (per-channel lines it applies to: None all, QIN, PLAIN; channel overrides)
+TR = "transpose"  # the per_channel_cast_and_transpose lines
+# name: (per-channel lines it applies to: None all, QIN, PLAIN, TR; channel overrides)
 VARIANTS = {
     "default": (None, {}),
     "qmb3": (QIN, dict(min_blocks=3)),  # QuantTensor input at 3 CTAs per SM (its widened tile then spills)
@@ -54,6 +55,9 @@ VARIANTS = {
     "w2": (None, dict(waves=2)),
     "w2.5": (None, dict(waves=2.5)),
     "w3": (None, dict(waves=3)),
+    # the transposed tile's staged bytes stored after the next tile's amax barrier (the default) against their own
+    # barrier right after the staging (three barriers per tile instead of two)
+    "nodefer": (TR, dict(defer_store=False)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")
@@ -94,7 +98,8 @@ def full(p, over, sms, arch):
 
 def applies(sel, p):
     quant_in, gather, transpose = (p.get(k, False) for k in ("quant_in", "gather", "transpose"))
-    return sel is None or (sel == QIN and quant_in) or (sel == PLAIN and not (quant_in or gather or transpose))
+    return (sel is None or (sel == QIN and quant_in) or (sel == PLAIN and not (quant_in or gather or transpose))
+            or (sel == TR and transpose))
 
 
 def make_input(p, t, t_in=None):

@@ -29,7 +29,7 @@ inputs; outputs on ``x``'s device. Reference: ``tk_quant.reference.cast(x, 'e4m3
 Kernel: 256 threads over a 128-token x 64-channel tile (128 x 128 for e4m3 input); each thread loads 8
 channels (one 16-byte bf16 vector; 16 e4m3 channels) of 4 rows and keeps them in registers; the column
 amax goes through warp shuffles and one shared-memory exchange; the transposed variant stages the e4m3
-tile in XOR-swizzled shared memory and stores 16-byte runs of tokens. A persistent grid (SMs x 4 CTAs for
+tile in XOR-swizzled shared memory and stores 16-byte runs of tokens while the next tile is reduced. A persistent grid (SMs x 4 CTAs for
 bf16 on sm_90a, twice that for the transposed variant: ``grid_waves``) walks the tiles and prefetches the next
 tile into registers (issued after the amax of the current one) while the current one is reduced and stored. The
 token counts are dynamic.
@@ -88,6 +88,7 @@ def per_channel_cast_kernel(
     vec: int = 0,
     count_slots: bool = False,
     threads: int = THREADS,
+    defer_store: bool = True,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -98,7 +99,9 @@ def per_channel_cast_kernel(
     tile that both the amax and the quantization read. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
     an unnamed arch, and ``DEFAULT_SMS`` SMs (the ops pass ``grid_waves`` times that for the transposed cast).
     ``vec``: channels per thread (0: ``default_vec``); the tile is 128 x ``8 * vec``. ``threads``: 256 (4 rows per
-    thread) or 512 (2 rows; not transposed; a sweep variant, 4-11 % slower). e4m3 input is widened four values at
+    thread) or 512 (2 rows; not transposed; a sweep variant, 4-11 % slower). ``defer_store`` (transposed): the
+    staged tile goes out after the next tile's amax barrier, so a tile costs two barriers instead of three (False:
+    its own barrier after the staging; the sweep's reference point, 0-0.7 % slower). e4m3 input is widened four values at
     a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's cast converts byte by byte): 17 % fewer instructions in the
     QuantTensor kernel, whose anchor line went from 22.2 to 19.7 us. (bf16 widened a word at a time measured the
     same as TileLang's cast: those lines are bound by memory, not by issue.)
@@ -158,6 +161,19 @@ def per_channel_cast_kernel(
                     xr[p, v] = T.reinterpret(T.uint8(0), in_dtype) if quant_in else T.cast(0, in_dtype)
 
     @T.macro
+    def store_staged(out, qs, tile, tx):
+        """The transposed e4m3 tile staged in ``qs`` to ``out``: 16-byte runs of tokens (LDS.128 -> STG.128)."""
+        bx = T.truncmod(tile, NX)
+        by = T.truncdiv(tile, NX)
+        for q in T.unroll(BK * BM // 16 // threads):
+            chunk = q * threads + tx
+            c = chunk // (BM // 16)
+            k = chunk % (BM // 16)
+            if by * (BM // 16) + k < nt16:
+                for v in T.vectorized(4):
+                    out[bx * BK + c, by * (BM // 16) + k, v] = qs[c, T.bitwise_xor(k, (c // VEC) % TPR) * 4 + v]
+
+    @T.macro
     def body(x, x_sf, pos, out, sf, err, clamp_min):
         ntiles = NX * T.ceildiv(num_out, BM)
         nctas = T.min(ntiles, ctas)
@@ -177,6 +193,10 @@ def per_channel_cast_kernel(
             nbad = T.alloc_local((1,), "int32") if count_slots else None  # this thread's bad gather indices
             red = T.alloc_shared((WARPS, BK), "float32")
             sis = T.alloc_shared((NBT, BK), "float32")
+            # transposed: the e4m3 tile, channel-major, 4 tokens per word. The 16-byte groups of a channel row are
+            # XOR-swizzled by (channel // 8) % 8: the word stores of a warp (8 channels 8 apart) hit 32 banks, and
+            # the read side copies whole 16-byte groups.
+            qs = T.alloc_shared((BK, BM // 4), "uint32") if transpose else None
             c8 = (tx % TPR) * VEC
             r0 = (tx // TPR) * P  # this thread's first row in the tile (P adjacent rows, one scale block)
             niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
@@ -225,14 +245,15 @@ def per_channel_cast_kernel(
                     sis[b, c] = s_inv
                     if (by * NBT + b) * bm < num_out:
                         sf[by * NBT + b, bx * BK + c] = s
+                if transpose and defer_store:
+                    # the previous tile's staged bytes, complete since the barrier above: stored here, its own
+                    # barrier before the store is saved (the tile is restaged only after the next barrier)
+                    if it > 0:
+                        store_staged(out, qs, tile - nctas, tx)
                 T.sync_threads()
                 for v in T.unroll(VEC):
                     si[v] = sis[r0 // bm, c8 + v]
                 if transpose:
-                    # e4m3 tile, channel-major, 4 tokens per word. The 16-byte groups of a channel row are
-                    # XOR-swizzled by (channel // 8) % 8: the word stores of a warp (8 channels 8 apart) hit 32
-                    # banks, and the read side copies whole 16-byte groups (LDS.128 -> STG.128).
-                    qs = T.alloc_shared((BK, BM // 4), "uint32")
                     ql = T.alloc_local((P,), "float8_e4m3fn")
                     w = r0 // 4
                     for v in T.unroll(VEC):
@@ -248,14 +269,9 @@ def per_channel_cast_kernel(
                                 T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
                             ),
                         )
-                    T.sync_threads()
-                    for q in T.unroll(BK * BM // 16 // threads):
-                        chunk = q * threads + tx
-                        c = chunk // (BM // 16)
-                        k = chunk % (BM // 16)
-                        if by * (BM // 16) + k < nt16:
-                            for v in T.vectorized(4):
-                                out[bx * BK + c, by * (BM // 16) + k, v] = qs[c, T.bitwise_xor(k, (c // VEC) % TPR) * 4 + v]
+                    if not defer_store:
+                        T.sync_threads()
+                        store_staged(out, qs, tile, tx)
                 else:
                     for p in T.unroll(P):
                         r = by * BM + r0 + p
@@ -267,6 +283,9 @@ def per_channel_cast_kernel(
                         s_in[p] = s_n[p]
                     for v in T.vectorized(VEC):
                         xr[p, v] = xn[p, v]
+            if transpose and defer_store:
+                T.sync_threads()
+                store_staged(out, qs, bid + (niter - 1) * nctas, tx)
             if count_slots:
                 warp_bad = T.alloc_shared((WARPS,), "int32")
                 _tl.store_cta_count(err, bid, nbad, warp_bad, tx, WARPS, False)
