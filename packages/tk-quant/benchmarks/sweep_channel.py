@@ -4,12 +4,12 @@
 
 Variants (``VARIANTS``): ``default`` is what the ops launch (``blocks_per_sm``, ``default_vec``, a persistent grid
 of SMs x min_blocks x ``grid_waves`` CTAs); the others override kernel parameters (``waves``: the grid in
-co-resident CTAs) on the anchor lines they name (``QIN``: the QuantTensor-input lines). Each variant is compiled (in parallel) for its anchor lines (per_channel_cast,
-per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused plain and QuantTensor input), checked bit-exact
-against ``reference.py`` on odd token counts and on the anchor shape, then timed (CUPTI, L2 flushed). The first
-variant also checks odd hidden sizes (and 0 tokens, fp32 input and the gather paths). One line per variant x
-anchor line: ``name ok=<bool> us=<t> GB/s=<g> anchor=<a> ratio=<g/a>``. The lossless block cast has its own
-``sweep_lossless.py``."""
+co-resident CTAs) on the anchor lines they name (``QIN``: the QuantTensor-input lines). Each variant is compiled (in
+parallel) for its anchor lines (per_channel_cast, per_channel_cast_and_transpose bm 32/128, per_channel_cast_fused
+plain and QuantTensor input), checked bit-exact against ``reference.py`` on odd token counts and on the anchor
+shape, then timed (CUPTI, L2 flushed). The first variant also checks odd hidden sizes (and 0 tokens, fp32 input and
+the gather paths). One line per variant x anchor line: ``name ok=<bool> us=<t> GB/s=<g> anchor=<a> ratio=<g/a>``.
+The lossless block cast has its own ``sweep_lossless.py``."""
 
 import sys
 import traceback

@@ -3,17 +3,17 @@
     python3 packages/tk-quant/benchmarks/sweep_lossless.py [variant ...]
 
 Variants (``VARIANTS``, the op's default first): overrides of ``passes`` (consecutive rows per thread),
-``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs), ``seg`` (values per thread and
-row), ``bufs`` (tile buffers: ``bufs - 1`` tiles in flight), ``int_lut`` and ``threads`` (CTA size) on every anchor
-line, or ``grid`` ("tiles": one CTA per tile instead of the persistent grid; an int: that many times the co-resident
+``min_blocks`` (CTAs per SM; the persistent grid is SMs x min_blocks CTAs), ``seg`` (values per thread and row),
+``bufs`` (tile buffers: ``bufs - 1`` tiles in flight), ``int_lut`` and ``threads`` (CTA size) on every anchor line,
+or ``grid`` ("tiles": one CTA per tile instead of the persistent grid; an int: that many times the co-resident
 CTAs). Each variant is compiled (in parallel) for the four anchor lines (T=8001, H=7168, input blocks 1 x 32 fp32:
 out blocks 1x128, 32x32, 128x128 and 1x128 with packed UE8M0 SF), checked bit-exact against ``tk_quant.reference``
-(data, SF and the error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs with inadmissible scales, then timed (CUPTI, L2 flushed). The first variant also checks hidden 576 (a partial
-column tile) with fp32, TMA-aligned column-major and packed UE8M0 input scales, and the public function: 0 tokens,
-and the ``ValueError`` of an inadmissible block. One line per variant x anchor line: ``name ok=<bool> us=<t>
-GB/s=<g> anchor=<a> ratio=<g/a>`` (the anchors are ~1,000 GB/s; the target is 3,500). Before the variants: the
-fill and copy bandwidth at the cast's size, and the public call on each anchor line with ``check=True`` and
-``check=False``."""
+(data, SF and the error count) on 1, 127 and 4001 tokens, on the anchor shape and on inputs with inadmissible
+scales, then timed (CUPTI, L2 flushed). The first variant also checks hidden 576 (a partial column tile) with fp32,
+TMA-aligned column-major and packed UE8M0 input scales, and the public function: 0 tokens, and the ``ValueError`` of
+an inadmissible block. One line per variant x anchor line: ``name ok=<bool> us=<t> GB/s=<g> anchor=<a> ratio=<g/a>``
+(the anchors are ~1,000 GB/s; the target is 3,500). Before the variants: the fill and copy bandwidth at the cast's
+size, and the public call on each anchor line with ``check=True`` and ``check=False``."""
 
 import sys
 import traceback

@@ -96,7 +96,8 @@ def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: i
     return 3 if pieces <= 8 else 1
 
 
-def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG, threads: int = THREADS) -> tuple[int, int, int]:
+def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
+          threads: int = THREADS) -> tuple[int, int, int]:
     """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""

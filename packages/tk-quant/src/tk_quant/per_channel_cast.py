@@ -29,10 +29,10 @@ inputs; outputs on ``x``'s device. Reference: ``tk_quant.reference.cast(x, 'e4m3
 Kernel: 256 threads over a 128-token x 64-channel tile (128 x 128 for e4m3 input); each thread loads 8
 channels (one 16-byte bf16 vector; 16 e4m3 channels) of 4 rows and keeps them in registers; the column
 amax goes through warp shuffles and one shared-memory exchange; the transposed variant stages the e4m3
-tile in XOR-swizzled shared memory and stores 16-byte runs of tokens while the next tile is reduced. A persistent grid (SMs x 4 CTAs for
-bf16 on sm_90a, twice that for the transposed variant: ``grid_waves``) walks the tiles and prefetches the next
-tile into registers (issued after the amax of the current one) while the current one is reduced and stored. The
-token counts are dynamic.
+tile in XOR-swizzled shared memory and stores 16-byte runs of tokens while the next tile is reduced. A
+persistent grid (SMs x 4 CTAs for bf16 on sm_90a, twice that for the transposed variant: ``grid_waves``) walks
+the tiles and prefetches the next tile into registers (issued after the amax of the current one) while the
+current one is reduced and stored. The token counts are dynamic.
 """
 
 import tilelang.language as T
@@ -101,10 +101,10 @@ def per_channel_cast_kernel(
     ``vec``: channels per thread (0: ``default_vec``); the tile is 128 x ``8 * vec``. ``threads``: 256 (4 rows per
     thread) or 512 (2 rows; not transposed; a sweep variant, 4-11 % slower). ``defer_store`` (transposed): the
     staged tile goes out after the next tile's amax barrier, so a tile costs two barriers instead of three (False:
-    its own barrier after the staging; the sweep's reference point, 0-0.7 % slower). e4m3 input is widened four values at
-    a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's cast converts byte by byte): 17 % fewer instructions in the
-    QuantTensor kernel, whose anchor line went from 22.2 to 19.7 us. (bf16 widened a word at a time measured the
-    same as TileLang's cast: those lines are bound by memory, not by issue.)
+    its own barrier after the staging; the sweep's reference point, 0-0.7 % slower). e4m3 input is widened four
+    values at a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's cast converts byte by byte): 17 % fewer
+    instructions in the QuantTensor kernel, whose anchor line went from 22.2 to 19.7 us. (bf16 widened a word at a
+    time measured the same as TileLang's cast: those lines are bound by memory, not by issue.)
 
     Gather indices ``>= num_tokens`` are counted once per output row: atomically into ``err[0]``, or with
     ``count_slots`` per CTA into ``err[bid]``, written only when nonzero (the slots are zeroed host memory that
@@ -246,8 +246,8 @@ def per_channel_cast_kernel(
                     if (by * NBT + b) * bm < num_out:
                         sf[by * NBT + b, bx * BK + c] = s
                 if transpose and defer_store:
-                    # the previous tile's staged bytes, complete since the barrier above: stored here, its own
-                    # barrier before the store is saved (the tile is restaged only after the next barrier)
+                    # the previous tile's staged bytes, complete since the barrier above, go out here (no barrier
+                    # of their own); this tile is staged only after the next barrier, when every thread has read them
                     if it > 0:
                         store_staged(out, qs, tile - nctas, tx)
                 T.sync_threads()
@@ -350,7 +350,7 @@ def per_channel_cast_kernel(
 
 def grid_waves(transpose: bool) -> int:
     """Size of the persistent grid in co-resident CTAs (SMs x CTAs per SM): 2 for the transposed cast, where a
-    second wave of CTAs, starting as the first one's finish, measured 0.6-0.9 % faster on the four anchor lines
+    second wave of CTAs, starting as the first wave's CTAs finish, measured 0.6-0.9 % faster on the four anchor lines
     (H200, three runs of ``sweep_channel.py``: ``w1`` against the default); 1 otherwise (two waves: plain -0.3 %,
     fused plain -1.8 %, QuantTensor input -4 %). 1.5 or 2.5 waves leave a partial last wave: -5 to -14 %."""
     return 2 if transpose else 1
