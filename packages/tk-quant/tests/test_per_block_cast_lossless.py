@@ -12,6 +12,7 @@ from tk_quant.per_block_cast_lossless import (
     LUT_BASE,
     LUT_D_MIN,
     LUT_STEP,
+    _pack_bytes,
     num_ctas,
     per_block_cast_lossless,
     per_block_cast_lossless_,
@@ -108,7 +109,7 @@ def test_integer_lut_is_the_e4m3_encoding():
 
     def encoded(d):
         b = (torch.tensor(_FP4, dtype=torch.float64) * 2.0**d).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
-        return [b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24]
+        return [_pack_bytes(b[:4]), _pack_bytes(b[4:])]
 
     for d in range(LUT_D_MIN, 7):
         assert words(d) == encoded(d), d

@@ -356,24 +356,25 @@ def grid_waves(transpose: bool) -> int:
     return 2 if transpose else 1
 
 
-def _grid(x: torch.Tensor, quant_in: bool) -> tuple[str, int, int]:
+def _grid(x: torch.Tensor, quant_in: bool, transpose: bool = False) -> tuple[str, int, int]:
     """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device: SMs
-    x CTAs per SM, with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit recompiles)."""
+    x CTAs per SM x ``grid_waves``, with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit
+    recompiles)."""
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
     min_blocks = blocks_per_sm(in_dtype, arch_of(x.device))
-    return in_dtype, min_blocks, config.get_num_sms(x.device.index) * min_blocks
+    return in_dtype, min_blocks, config.get_num_sms(x.device.index) * min_blocks * grid_waves(transpose)
 
 
 def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
-    """CTAs the kernel launches for ``num_out`` output rows (one error slot each with ``count_slots``)."""
+    """CTAs the (untransposed) kernel launches for ``num_out`` output rows (one error slot each with
+    ``count_slots``)."""
     ntiles = x.shape[1] // (TPR * default_vec(quant_in)) * ceil_div(num_out, BM)
     return min(ntiles, _grid(x, quant_in)[2])
 
 
 def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool,
                 count_slots: bool = False):
-    in_dtype, min_blocks, ctas = _grid(x, quant_in)
-    ctas *= grid_waves(transpose)
+    in_dtype, min_blocks, ctas = _grid(x, quant_in, transpose)
     return per_channel_cast_kernel.get(
         x.device,
         in_dtype=in_dtype,
