@@ -3,11 +3,13 @@
 import pytest
 import torch
 
+from tk_core import config
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, capture_cuda_graph, opcheck
 from tk_quant import reference
 from tk_quant.per_channel_cast import (
+    launch_config,
     per_channel_cast,
     per_channel_cast_,
     per_channel_cast_and_transpose,
@@ -96,6 +98,7 @@ COMPILE_VARIANTS = [
     _P,
     dict(_P, round_sf=True),
     dict(_P, bm=32, round_sf=True, transpose=True),
+    dict(_P, bm=128, round_sf=True, transpose=True),
     dict(_P, bm=128, transpose=True),
     dict(_P, in_dtype="float32", hidden=576, gather=True),
     dict(_P, gather=True, count_slots=True),
@@ -110,7 +113,11 @@ COMPILE_VARIANTS = [
 def test_compiles(arch, params):
     from tk_core.testing.compile_check import assert_compiles
 
-    src = assert_compiles(per_channel_cast_kernel, arch, **params)
+    # with the tile order and the CTAs per SM the ops take on this arch (the register cap, hence the spill check,
+    # depends on them)
+    p = params
+    dynamic, min_blocks, _ = launch_config(p["in_dtype"], arch, p["bm"], p["round_sf"], p["gather"], p["transpose"])
+    src = assert_compiles(per_channel_cast_kernel, arch, min_blocks=min_blocks, dynamic=dynamic, **params)
     assert "__fdividef" not in src and "__frcp" not in src
     # e4m3 input: widened four values per call (the helper's definition and its calls), not by TileLang's cast
     assert (src.count("tk_e4m3x4_to_f32(") > 1) == bool(params.get("quant_in"))
@@ -153,6 +160,46 @@ def test_and_transpose_gpu(t, h, bm, round_sf):
     assert_equal(out, ref[0].t().contiguous()) and assert_equal(sf, ref[1])
     again = per_channel_cast_and_transpose(x, "e4m3", bm, round_sf)
     assert_equal(again[0], out) and assert_equal(again[1], sf)
+
+
+@gpu
+def test_and_transpose_tile_counters():
+    """The transposed cast's dynamic tile order (``launch_config``: bm 32, and bm 128 with rounded scales): every
+    launch leaves its counters at zero, each stream has its own (launches on two streams run side by side), any grid
+    (``set_num_sms``) works on them, and a CUDA graph capture takes a fresh zeroed pair per call whose fill each
+    replay repeats."""
+    from tk_quant.per_channel_cast import _TILE_COUNTERS
+
+    xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for t, h in ((16, 576), (208, 7168), (4096, 7168))]
+    refs = [reference.cast(x, "e4m3", (32, 1), round_sf=True) for x in xs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    results = []
+    for num_sms in (None, 20):
+        config.set_num_sms(num_sms)
+        try:
+            for s in streams:
+                s.wait_stream(torch.cuda.current_stream())
+            for _ in range(3):
+                for i, x in enumerate(xs):
+                    for s in streams:
+                        with torch.cuda.stream(s):
+                            results.append((i, per_channel_cast_and_transpose(x, "e4m3", 32, True)))
+            torch.cuda.synchronize()
+        finally:
+            config.set_num_sms(None)
+    for i, (out, sf) in results:
+        assert_equal(out, refs[i][0].t().contiguous()) and assert_equal(sf, refs[i][1])
+    keys = {(torch.cuda.current_device(), s.cuda_stream) for s in streams}
+    assert keys <= set(_TILE_COUNTERS)
+    assert all(not c.any() for c in _TILE_COUNTERS.values())
+
+    x = xs[2]
+    replay, (out, sf) = capture_cuda_graph(lambda: per_channel_cast_and_transpose(x, "e4m3", 128, True))
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        replay()
+        ref = reference.cast(x, "e4m3", (128, 1), round_sf=True)
+        assert_equal(out, ref[0].t().contiguous()) and assert_equal(sf, ref[1])
 
 
 @gpu

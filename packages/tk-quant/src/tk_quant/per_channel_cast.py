@@ -30,10 +30,13 @@ Kernel: 256 threads over a 128-token x 64-channel tile (128 x 128 for e4m3 input
 channels (one 16-byte bf16 vector; 16 e4m3 channels) of 4 rows and keeps them in registers; the column
 amax goes through warp shuffles and one shared-memory exchange; the transposed variant stages the e4m3
 tile in XOR-swizzled shared memory and stores 16-byte runs of tokens while the next tile is reduced. A
-persistent grid (SMs x 4 CTAs for bf16 on sm_90a, twice that for the transposed variant: ``grid_waves``) walks
-the tiles and prefetches the next tile into registers (issued after the amax of the current one) while the
-current one is reduced and stored. The token counts are dynamic.
+persistent grid (SMs x 3-4 CTAs for bf16 on sm_90a) walks the tiles and prefetches the next tile into registers
+(issued after the amax of the current one) while the current one is reduced and stored. A bf16 launch without a
+gather takes its tiles after the first three from a per-stream device counter (the ``dynamic`` tile order;
+``launch_config`` says which launches take it). The token counts are dynamic.
 """
+
+from types import SimpleNamespace
 
 import tilelang.language as T
 import torch
@@ -89,6 +92,7 @@ def per_channel_cast_kernel(
     count_slots: bool = False,
     threads: int = THREADS,
     defer_store: bool = True,
+    dynamic: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -97,7 +101,7 @@ def per_channel_cast_kernel(
     loads stay in flight across the barriers. The next tile waits in registers in its input dtype (a bf16 row
     of 8 channels is 4 registers, an e4m3 row of 16 channels too); the current one is widened once into a float32
     tile that both the amax and the quantization read. ``min_blocks`` / ``ctas`` 0: ``blocks_per_sm`` for
-    an unnamed arch, and ``DEFAULT_SMS`` SMs (the ops pass ``grid_waves`` times that for the transposed cast).
+    an unnamed arch, and ``DEFAULT_SMS`` SMs (the ops: ``launch_config``).
     ``vec``: channels per thread (0: ``default_vec``); the tile is 128 x ``8 * vec``. ``threads``: 256 (4 rows per
     thread) or 512 (2 rows; not transposed; a sweep variant, 4-11 % slower). ``defer_store`` (transposed): the
     staged tile goes out after the next tile's amax barrier, so a tile costs two barriers instead of three (False:
@@ -105,6 +109,12 @@ def per_channel_cast_kernel(
     values at a time (``tk_core.ptx.E4M3X4_TO_F32``; TileLang's cast converts byte by byte): 17 % fewer
     instructions in the QuantTensor kernel, whose anchor line went from 22.2 to 19.7 us. (bf16 widened a word at a
     time measured the same as TileLang's cast: those lines are bound by memory, not by issue.)
+
+    ``dynamic`` (no gather, no QuantTensor input): a CTA's first three tiles are those
+    of the static grid, the later ones come from the device counter ``sched[0]`` (offset by 3 x CTAs), so that a CTA
+    whose loads are served sooner takes more tiles; the last CTA to finish zeroes ``sched`` (``[tiles handed out,
+    CTAs finished]``) for the next launch, which therefore must not overlap this one on the same counter
+    (``launch_config`` says where the ops take it).
 
     Gather indices ``>= num_tokens`` are counted once per output row: atomically into ``err[0]``, or with
     ``count_slots`` per CTA into ``err[bid]``, written only when nonzero (the slots are zeroed host memory that
@@ -117,6 +127,7 @@ def per_channel_cast_kernel(
     ROWS_PER_WARP = 32 // TPR * P
     # the swizzled transpose staging is laid out for 64-channel tiles and packs a thread's 4 rows into one word
     assert not (transpose and (VEC != 8 or P != 4))
+    assert not (dynamic and (gather or quant_in))
     min_blocks = min_blocks or blocks_per_sm(in_dtype)
     ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
@@ -174,7 +185,96 @@ def per_channel_cast_kernel(
                     out[bx * BK + c, by * (BM // 16) + k, v] = qs[c, T.bitwise_xor(k, (c // VEC) % TPR) * 4 + v]
 
     @T.macro
-    def body(x, x_sf, pos, out, sf, err, clamp_min):
+    def tile_step(k, tile, next_tile, has_next, prev_tile, has_prev):
+        """One tile of the persistent loop: widen, amax, the next tile's loads, scales, quantized stores (``k``: the
+        CTA's tensors, buffers and indices)."""
+        x, x_sf, pos, out, sf, err, clamp_min = k.x, k.x_sf, k.pos, k.out, k.sf, k.err, k.clamp_min
+        xr, xn, s_in, s_n, am, xf, si = k.xr, k.xn, k.s_in, k.s_n, k.am, k.xf, k.si
+        ok, src, nbad, red, sis, qs, tx, c8, r0 = k.ok, k.src, k.nbad, k.red, k.sis, k.qs, k.tx, k.c8, k.r0
+        # Widened (and, for QuantTensor input, scaled) once for both the amax and the quantization: ptxas
+        # otherwise recomputes it to save registers (QuantTensor input: 2,553 -> 2,763 GB/s at 2 CTAs/SM).
+        for p in T.unroll(P):
+            if quant_in:  # four values per conversion call (``tk_core.ptx.E4M3X4_TO_F32``), then the scale
+                for q in T.unroll(VEC // 4):
+                    T.evaluate(e4m3x4_to_f32(T.address_of(xf[p, 4 * q]), T.address_of(xr[p, 4 * q])))
+                for v in T.unroll(VEC):
+                    xf[p, v] = xf[p, v] * s_in[p]
+            else:
+                for v in T.unroll(VEC):
+                    xf[p, v] = T.cast(xr[p, v], "float32")
+        for v in T.unroll(VEC):
+            am[v] = T.float32(0)
+        for p in T.unroll(P):
+            for v in T.unroll(VEC):
+                am[v] = T.max(am[v], T.abs(xf[p, v]))
+        # The next tile's loads: issued after this tile's amax (measured 2-5% faster than before it, where
+        # they compete with the amax for issue slots and registers), they still land across the barriers.
+        if has_next:
+            load(x, x_sf, pos, err, nbad, xn, s_n, ok, src, next_tile, tx, c8, r0)
+        for v in T.unroll(VEC):
+            am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
+            am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
+            if tx % 32 < TPR:
+                red[tx // 32, c8 + v] = am[v]
+        if dynamic and tx == 0:  # publish the tile after next (see ``ring``), fetch the one after it
+            k.ring[T.bitwise_and(k.itr[0] + 2, 3)] = k.fetched[0]
+            if k.fetched[0] < k.ntiles:
+                k.fetched[0] = 3 * k.nctas + T.atomic_add(k.sched[0], 1, return_prev=True)
+        T.sync_threads()
+        if tx < NBT * BK:
+            b = tx // BK
+            c = tx % BK
+            m = T.alloc_local((1,), "float32")
+            m[0] = red[b * WPB, c]
+            for w in T.unroll(1, WPB):
+                m[0] = T.max(m[0], red[b * WPB + w, c])
+            s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
+            sis[b, c] = s_inv
+            by = T.truncdiv(tile, NX)
+            if (by * NBT + b) * bm < num_out:
+                sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
+        if transpose and defer_store:
+            # the previous tile's staged bytes, complete since the barrier above, go out here (no barrier
+            # of their own); this tile is staged only after the next barrier, when every thread has read them
+            if has_prev:
+                store_staged(out, qs, prev_tile, tx)
+        T.sync_threads()
+        for v in T.unroll(VEC):
+            si[v] = sis[r0 // bm, c8 + v]
+        if transpose:
+            ql = T.alloc_local((P,), "float8_e4m3fn")
+            w = r0 // 4
+            for v in T.unroll(VEC):
+                for p in T.unroll(P):
+                    ql[p] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
+                qs[c8 + v, T.bitwise_xor(w // 4, tx % TPR) * 4 + w % 4] = T.bitwise_or(
+                    T.bitwise_or(
+                        T.cast(T.reinterpret(ql[0], "uint8"), "uint32"),
+                        T.shift_left(T.cast(T.reinterpret(ql[1], "uint8"), "uint32"), 8),
+                    ),
+                    T.bitwise_or(
+                        T.shift_left(T.cast(T.reinterpret(ql[2], "uint8"), "uint32"), 16),
+                        T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
+                    ),
+                )
+            if not defer_store:
+                T.sync_threads()
+                store_staged(out, qs, tile, tx)
+        else:
+            by = T.truncdiv(tile, NX)
+            for p in T.unroll(P):
+                r = by * BM + r0 + p
+                if r < num_out:
+                    for v in T.vectorized(VEC):
+                        out[r, T.truncmod(tile, NX) * BK + c8 + v] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
+        for p in T.unroll(P):
+            if quant_in:
+                s_in[p] = s_n[p]
+            for v in T.vectorized(VEC):
+                xr[p, v] = xn[p, v]
+
+    @T.macro
+    def body(x, x_sf, pos, out, sf, err, clamp_min, sched=None):
         ntiles = NX * T.ceildiv(num_out, BM)
         nctas = T.min(ntiles, ctas)
         with T.Kernel(nctas, threads=threads, prelude=E4M3X4_TO_F32 if quant_in else None) as bid:
@@ -199,93 +299,52 @@ def per_channel_cast_kernel(
             qs = T.alloc_shared((BK, BM // 4), "uint32") if transpose else None
             c8 = (tx % TPR) * VEC
             r0 = (tx // TPR) * P  # this thread's first row in the tile (P adjacent rows, one scale block)
-            niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
             if count_slots:
                 nbad[0] = 0
 
-            load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
-            for it in T.serial(niter):
-                tile = bid + it * nctas
-                bx = T.truncmod(tile, NX)
-                by = T.truncdiv(tile, NX)
-                # Widened (and, for QuantTensor input, scaled) once for both the amax and the quantization: ptxas
-                # otherwise recomputes it to save registers (QuantTensor input: 2,553 -> 2,763 GB/s at 2 CTAs/SM).
-                for p in T.unroll(P):
-                    if quant_in:  # four values per conversion call (``tk_core.ptx.E4M3X4_TO_F32``), then the scale
-                        for q in T.unroll(VEC // 4):
-                            T.evaluate(e4m3x4_to_f32(T.address_of(xf[p, 4 * q]), T.address_of(xr[p, 4 * q])))
-                        for v in T.unroll(VEC):
-                            xf[p, v] = xf[p, v] * s_in[p]
-                    else:
-                        for v in T.unroll(VEC):
-                            xf[p, v] = T.cast(xr[p, v], "float32")
-                for v in T.unroll(VEC):
-                    am[v] = T.float32(0)
-                for p in T.unroll(P):
-                    for v in T.unroll(VEC):
-                        am[v] = T.max(am[v], T.abs(xf[p, v]))
-                # The next tile's loads: issued after this tile's amax (measured 2-5% faster than before it, where
-                # they compete with the amax for issue slots and registers), they still land across the barriers.
-                if it + 1 < niter:
-                    load(x, x_sf, pos, err, nbad, xn, s_n, ok, src, tile + nctas, tx, c8, r0)
-                for v in T.unroll(VEC):
-                    am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
-                    am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
-                    if tx % 32 < TPR:
-                        red[tx // 32, c8 + v] = am[v]
+            # dynamic: the tiles after the first come from a device counter (``sched[0]``), so that a CTA whose loads
+            # are served sooner takes more tiles. ``ring[i % 4]`` holds iteration i's tile: thread 0 publishes
+            # iteration i + 2's tile during iteration i (before its first barrier), fetched one iteration earlier,
+            # so the atomic's latency is hidden; a slot is rewritten only after every thread's last read of it.
+            ring = T.alloc_shared((4,), "int32") if dynamic else None
+            fetched = T.alloc_local((1,), "int32") if dynamic else None
+            itr = T.alloc_local((1,), "int32") if dynamic else None
+            k = SimpleNamespace(x=x, x_sf=x_sf, pos=pos, out=out, sf=sf, err=err, clamp_min=clamp_min, tx=tx, xr=xr,
+                                xn=xn, s_in=s_in, s_n=s_n, am=am, xf=xf, si=si, ok=ok, src=src, nbad=nbad, red=red,
+                                sis=sis, qs=qs, c8=c8, r0=r0, ntiles=ntiles, nctas=nctas, sched=sched, ring=ring,
+                                fetched=fetched, itr=itr)
+            if dynamic:
+                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
+                if tx == 0:  # the first three tiles as in the static grid (no atomics at the launch's start)
+                    ring[0] = bid
+                    ring[1] = bid + nctas
+                    fetched[0] = bid + 2 * nctas
                 T.sync_threads()
-                if tx < NBT * BK:
-                    b = tx // BK
-                    c = tx % BK
-                    m = T.alloc_local((1,), "float32")
-                    m[0] = red[b * WPB, c]
-                    for w in T.unroll(1, WPB):
-                        m[0] = T.max(m[0], red[b * WPB + w, c])
-                    s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
-                    sis[b, c] = s_inv
-                    if (by * NBT + b) * bm < num_out:
-                        sf[by * NBT + b, bx * BK + c] = s
+                itr[0] = 0
+                while ring[T.bitwise_and(itr[0], 3)] < ntiles:
+                    nxt = ring[T.bitwise_and(itr[0] + 1, 3)]
+                    tile_step(k, ring[T.bitwise_and(itr[0], 3)], nxt, nxt < ntiles, ring[T.bitwise_and(itr[0] + 3, 3)],
+                              itr[0] > 0)
+                    itr[0] = itr[0] + 1
                 if transpose and defer_store:
-                    # the previous tile's staged bytes, complete since the barrier above, go out here (no barrier
-                    # of their own); this tile is staged only after the next barrier, when every thread has read them
-                    if it > 0:
-                        store_staged(out, qs, tile - nctas, tx)
-                T.sync_threads()
-                for v in T.unroll(VEC):
-                    si[v] = sis[r0 // bm, c8 + v]
-                if transpose:
-                    ql = T.alloc_local((P,), "float8_e4m3fn")
-                    w = r0 // 4
-                    for v in T.unroll(VEC):
-                        for p in T.unroll(P):
-                            ql[p] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
-                        qs[c8 + v, T.bitwise_xor(w // 4, tx % TPR) * 4 + w % 4] = T.bitwise_or(
-                            T.bitwise_or(
-                                T.cast(T.reinterpret(ql[0], "uint8"), "uint32"),
-                                T.shift_left(T.cast(T.reinterpret(ql[1], "uint8"), "uint32"), 8),
-                            ),
-                            T.bitwise_or(
-                                T.shift_left(T.cast(T.reinterpret(ql[2], "uint8"), "uint32"), 16),
-                                T.shift_left(T.cast(T.reinterpret(ql[3], "uint8"), "uint32"), 24),
-                            ),
-                        )
-                    if not defer_store:
-                        T.sync_threads()
-                        store_staged(out, qs, tile, tx)
-                else:
-                    for p in T.unroll(P):
-                        r = by * BM + r0 + p
-                        if r < num_out:
-                            for v in T.vectorized(VEC):
-                                out[r, bx * BK + c8 + v] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
-                for p in T.unroll(P):
-                    if quant_in:
-                        s_in[p] = s_n[p]
-                    for v in T.vectorized(VEC):
-                        xr[p, v] = xn[p, v]
-            if transpose and defer_store:
-                T.sync_threads()
-                store_staged(out, qs, bid + (niter - 1) * nctas, tx)
+                    T.sync_threads()
+                    store_staged(out, qs, ring[T.bitwise_and(itr[0] + 3, 3)], tx)
+                if tx == 0:
+                    # the last CTA to finish resets the counters for the next launch: the release orders each CTA's
+                    # fetches before its arrival here, so no fetch follows the reset
+                    fetched[0] = T.atomic_add(sched[1], 1, memory_order="acq_rel", return_prev=True)
+                    if fetched[0] == nctas - 1:
+                        sched[0] = 0
+                        sched[1] = 0
+            else:
+                niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
+                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
+                for it in T.serial(niter):
+                    tile = bid + it * nctas
+                    tile_step(k, tile, tile + nctas, it + 1 < niter, tile - nctas, it > 0)
+                if transpose and defer_store:
+                    T.sync_threads()
+                    store_staged(out, qs, bid + (niter - 1) * nctas, tx)
             if count_slots:
                 warp_bad = T.alloc_shared((WARPS,), "int32")
                 _tl.store_cta_count(err, bid, nbad, warp_bad, tx, WARPS, False)
@@ -331,6 +390,18 @@ def per_channel_cast_kernel(
         ):
             body(x, x_sf, None, out, sf, None, clamp_min)
 
+    elif dynamic:
+
+        @T.prim_func
+        def main(
+            x: T.Tensor((num_out, hidden), in_dtype),
+            out: T.Tensor(out_shape, out_dtype),
+            sf: T.Tensor((T.ceildiv(num_out, bm), hidden), "float32"),
+            sched: T.Tensor((2,), "int32"),
+            clamp_min: T.float32,
+        ):
+            body(x, None, None, out, sf, None, clamp_min, sched)
+
     else:
 
         @T.prim_func
@@ -348,34 +419,66 @@ def per_channel_cast_kernel(
 # --- device ops -----------------------------------------------------------------------------------
 
 
-def grid_waves(transpose: bool) -> int:
-    """Size of the persistent grid in co-resident CTAs (SMs x CTAs per SM): 2 for the transposed cast, where a
-    second wave of CTAs, starting as the first wave's CTAs finish, measured 0.6-0.9 % faster on the four anchor lines
-    (H200, three runs of ``sweep_channel.py``: ``w1`` against the default); 1 otherwise (two waves: plain -0.3 %,
-    fused plain -1.8 %, QuantTensor input -4 %). 1.5 or 2.5 waves leave a partial last wave: -5 to -14 %."""
-    return 2 if transpose else 1
+def launch_config(in_dtype: str, arch: str, bm: int, round_sf: bool, gather: bool, transpose: bool
+                  ) -> tuple[bool, int, int]:
+    """(``dynamic`` tile order, CTAs per SM, waves of the persistent grid) of the ops' launch, as measured on an H200
+    (``sweep_channel.py``; sweep_s20.log, sweep_s21.log):
+
+    - bf16 without a gather: the dynamic tile order on one wave, transposed at ``blocks_per_sm`` (4) CTAs per SM
+      (1.008-1.027 of the anchors against 0.98-1.00 for the static order), untransposed at 3 (per_channel_cast 1.007
+      -1.009 against 0.99, the 4,096-token fused plain line the same as static; at 4 CTAs it spilled and lost 1-6 %);
+    - except the transposed cast with 128-token blocks and unrounded scales: its dynamic kernel spills 12 bytes at
+      sm_90a's 64-register cap (the scale phase's IEEE divisions call their slow path) and measured the same as the
+      static one (3,620 against 3,623 GB/s), so the static order there;
+    - the rest (fp32 input, gathers, QuantTensor input) the static order at ``blocks_per_sm``; static grids on one
+      wave, or two for the transposed cast (a second wave, starting as the first one's CTAs finish: +0.6-0.9 %; plain
+      -0.3 %, fused plain -1.8 %, QuantTensor input -4 %; 1.5 or 2.5 waves -5 to -14 %; the dynamic order on two
+      waves -3 to -5 %).
+    """
+    dynamic = in_dtype == "bfloat16" and not gather and not (transpose and bm == 128 and not round_sf)
+    min_blocks = blocks_per_sm(in_dtype, arch)
+    if dynamic and not transpose:
+        min_blocks = min(min_blocks, 3)
+    return dynamic, min_blocks, 2 if transpose and not dynamic else 1
 
 
-def _grid(x: torch.Tensor, quant_in: bool, transpose: bool = False) -> tuple[str, int, int]:
-    """(input dtype name, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device: SMs
-    x CTAs per SM x ``grid_waves``, with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit
-    recompiles)."""
+def _launch(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool
+            ) -> tuple[str, bool, int, int]:
+    """(input dtype name, dynamic, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device:
+    ``launch_config`` with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit recompiles)."""
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
-    min_blocks = blocks_per_sm(in_dtype, arch_of(x.device))
-    return in_dtype, min_blocks, config.get_num_sms(x.device.index) * min_blocks * grid_waves(transpose)
+    dynamic, min_blocks, waves = launch_config(in_dtype, arch_of(x.device), bm, round_sf, gather, transpose)
+    return in_dtype, dynamic, min_blocks, config.get_num_sms(x.device.index) * min_blocks * waves
+
+
+_TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _tile_counter(device: torch.device) -> torch.Tensor:
+    """Counters for the dynamic tile order (int32 ``[2]``, zero at each launch's start: every launch resets them):
+    one per stream of ``device``, as launches on one counter must not overlap. While the stream is captured into a
+    CUDA graph, a new zeroed one per call: its zero fill is part of the graph, so every replay starts from zero
+    (a stream's counter, baked into the graph, would be shared by replays on other streams)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
-    """CTAs the (untransposed) kernel launches for ``num_out`` output rows (one error slot each with
-    ``count_slots``)."""
+    """CTAs the gathering kernel launches for ``num_out`` output rows (one error slot each with ``count_slots``)."""
     ntiles = x.shape[1] // (TPR * default_vec(quant_in)) * ceil_div(num_out, BM)
-    return min(ntiles, _grid(x, quant_in)[2])
+    return min(ntiles, _launch(x, 128, False, True, quant_in, False)[3])
 
 
-def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool,
-                count_slots: bool = False):
-    in_dtype, min_blocks, ctas = _grid(x, quant_in, transpose)
-    return per_channel_cast_kernel.get(
+def _launch_kernel(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool, args,
+                   clamp_min: float, count_slots: bool = False) -> None:
+    """Runs the kernel for these flags on ``x``'s device with ``args`` (the tensors before ``sched``)."""
+    in_dtype, dynamic, min_blocks, ctas = _launch(x, bm, round_sf, gather, quant_in, transpose)
+    k = per_channel_cast_kernel.get(
         x.device,
         in_dtype=in_dtype,
         hidden=x.shape[1],
@@ -387,15 +490,16 @@ def _kernel_for(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in
         min_blocks=min_blocks,
         ctas=ctas,
         count_slots=count_slots,
+        dynamic=dynamic,
     )
+    k(*args, *([_tile_counter(x.device)] if dynamic else []), clamp_min)
 
 
 @device_op("tk_quant::per_channel_cast_", mutates_args=("out", "sf"))
 def per_channel_cast_(x: torch.Tensor, out: torch.Tensor, sf: torch.Tensor, bm: int, round_sf: bool, transpose: bool, clamp_min: float) -> None:
-    k = _kernel_for(x, bm, round_sf, False, False, transpose)
     if transpose:
         out = out.view(torch.uint32).view(out.shape[0], -1, 4)
-    k(x, out, sf, clamp_min)
+    _launch_kernel(x, bm, round_sf, False, False, transpose, [x, out, sf], clamp_min)
 
 
 @device_op("tk_quant::per_channel_cast_fused_", mutates_args=("out", "sf", "error_count"))
@@ -414,13 +518,12 @@ def per_channel_cast_fused_(
     CTA's count goes to ``error_count[cta]`` when it is nonzero (``num_ctas`` zeroed slots); ``error_count`` None
     with ``count_slots``: the counts go to scratch (nobody reads them)."""
     quant_in = x_sf is not None
-    k = _kernel_for(x, 128, round_sf, pos_to_token is not None, quant_in, False, count_slots)
     args = [x] + ([x_sf] if quant_in else []) + ([pos_to_token] if pos_to_token is not None else []) + [out, sf]
     if pos_to_token is not None:
         if error_count is None:
             error_count = scratch(x.device, torch.int32, num_ctas(x, out.shape[0], quant_in))
         args.append(error_count)
-    k(*args, clamp_min)
+    _launch_kernel(x, 128, round_sf, pos_to_token is not None, quant_in, False, args, clamp_min, count_slots)
 
 
 # --- public functions -----------------------------------------------------------------------------
