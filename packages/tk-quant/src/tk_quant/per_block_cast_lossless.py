@@ -373,9 +373,9 @@ def per_block_cast_lossless_(
     one without ``zero_counts``: the caller zeroed the slots); None: ``num_ctas`` slots of scratch, which nobody
     reads."""
     in_kind = "packed" if sf_in_flat.dtype == torch.uint8 else "fp32"
+    # (rows per thread and CTAs per SM: the kernel's defaults, the rule ``num_ctas`` sizes the slots by)
     k = per_block_cast_lossless_kernel.get(
         data.device, hidden=out.shape[1], bm_in=bm_in, bk_in=bk_in, in_kind=in_kind, bm_out=bm_out, bk_out=bk_out, layout=layout,
-        passes=PASSES, min_blocks=default_min_blocks(_tile(bm_out, bk_out)[2], bm_out, bk_out, in_kind),
         zero_counts=zero_counts,
     )
     if error_slots is None:
