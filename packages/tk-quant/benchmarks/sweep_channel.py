@@ -69,6 +69,17 @@ VARIANTS = {
     "dyntr3": (TR, dict(dynamic=True, min_blocks=3)),
     "static4": (PLAIN, dict(dynamic=False, min_blocks=4)),
     "dyn": (PLAIN, dict(dynamic=True, min_blocks=4)),
+    # the unrounded scales' two quotients without nvcc's division and its slow-path call (``_tl.SCALE_DIV``; the
+    # rounded-scale lines do not divide). Session 22 (sweep_s22.log run 1, with one more barrier per tile in the
+    # dynamic kernels than now): on every line (``cf``) +0.2-0.7 % on the bf16 lines, -0.3 % QuantTensor input; with
+    # the dynamic order on bm 128 rsf 0 (``dyncf``, the default now) +1.1 % over static. ``ieee``: the default's
+    # launch with the IEEE division
+    "cf": (None, dict(call_free_div=True)),
+    "dyncf": (TR, dict(dynamic=True, waves=1, call_free_div=True)),
+    "ieee": (None, dict(call_free_div=False)),
+    # 128 x 32-channel tiles in the dynamic order (half the tail per tile) at 4 / 5 CTAs per SM (54 / 48 registers)
+    "dynv4mb4": (PLAIN, dict(dynamic=True, vec=4, min_blocks=4)),
+    "dynv4mb5": (PLAIN, dict(dynamic=True, vec=4, min_blocks=5)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")
@@ -102,9 +113,10 @@ def full(p, over, sms, arch):
     if q["quant_in"]:
         q["in_dtype"] = "float8_e4m3fn"
     over = dict(over)
-    dynamic, min_blocks, waves = launch_config(q["in_dtype"], arch, q["bm"], q["round_sf"], q["gather"], q["transpose"])
+    dynamic, call_free, min_blocks, waves = launch_config(q["in_dtype"], arch, q["bm"], q["round_sf"], q["gather"],
+                                                          q["transpose"], CLAMP)
     waves = over.pop("waves", waves)
-    q = q | dict(min_blocks=min_blocks, dynamic=dynamic) | over
+    q = q | dict(min_blocks=min_blocks, dynamic=dynamic, call_free_div=call_free) | over
     return dict(ctas=int(waves * sms * q["min_blocks"])) | q  # a variant's ``ctas`` caps the persistent grid itself
 
 

@@ -116,8 +116,10 @@ def test_compiles(arch, params):
     # with the tile order and the CTAs per SM the ops take on this arch (the register cap, hence the spill check,
     # depends on them)
     p = params
-    dynamic, min_blocks, _ = launch_config(p["in_dtype"], arch, p["bm"], p["round_sf"], p["gather"], p["transpose"])
-    src = assert_compiles(per_channel_cast_kernel, arch, min_blocks=min_blocks, dynamic=dynamic, **params)
+    dynamic, call_free, min_blocks, _ = launch_config(p["in_dtype"], arch, p["bm"], p["round_sf"], p["gather"],
+                                                      p["transpose"], config.get_amax_clamp("e4m3"))
+    src = assert_compiles(per_channel_cast_kernel, arch, min_blocks=min_blocks, dynamic=dynamic,
+                          call_free_div=call_free, **params)
     assert "__fdividef" not in src and "__frcp" not in src
     # e4m3 input: widened four values per call (the helper's definition and its calls), not by TileLang's cast
     assert (src.count("tk_e4m3x4_to_f32(") > 1) == bool(params.get("quant_in"))
@@ -163,8 +165,31 @@ def test_and_transpose_gpu(t, h, bm, round_sf):
 
 
 @gpu
+@pytest.mark.parametrize("floor", [None, 2.0**-120])
+def test_unrounded_scales_over_the_exponent_range(floor):
+    """Unrounded scales of channels scaled by 2**-126 .. 2**126 (and zero channels) equal the reference's bits: with
+    the default amax floor the launch divides by ``_tl.SCALE_DIV`` on sm_90a; a floor below ``SCALE_DIV_MIN`` takes the
+    IEEE division (the quotients of tiny maxima are subnormal)."""
+    x = torch.randn(256, 576, device="cuda")
+    x *= torch.pow(2.0, torch.linspace(-126, 126, 576, device="cuda").round())
+    x[:, ::37] = 0
+    x = x.to(torch.bfloat16)
+    default_floor = config.get_amax_clamp("e4m3")
+    if floor is not None:
+        config.set_amax_clamp("e4m3", floor)
+    try:
+        for bm, transpose in ((128, False), (32, True), (128, True)):
+            fn = per_channel_cast_and_transpose if transpose else per_channel_cast
+            out, sf = fn(x, "e4m3", bm, False)
+            ref = reference.cast(x, "e4m3", (bm, 1), round_sf=False)
+            assert_equal(out, ref[0].t().contiguous() if transpose else ref[0]) and assert_equal(sf, ref[1])
+    finally:
+        config.set_amax_clamp("e4m3", default_floor)
+
+
+@gpu
 def test_and_transpose_tile_counters():
-    """The transposed cast's dynamic tile order (``launch_config``: bm 32, and bm 128 with rounded scales): every
+    """The transposed cast's dynamic tile order (``launch_config``: every bf16 launch but bm 128 with IEEE-divided scales): every
     launch leaves its counters at zero, each stream has its own (launches on two streams run side by side), any grid
     (``set_num_sms``) works on them, and a CUDA graph capture takes a fresh zeroed pair per call whose fill each
     replay repeats."""

@@ -77,7 +77,7 @@ def default_vec(quant_in: bool) -> int:
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def per_channel_cast_kernel(
     in_dtype: str,
     hidden: int,
@@ -93,6 +93,7 @@ def per_channel_cast_kernel(
     threads: int = THREADS,
     defer_store: bool = True,
     dynamic: bool = False,
+    call_free_div: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -116,6 +117,13 @@ def per_channel_cast_kernel(
     CTAs finished]``) for the next launch, which therefore must not overlap this one on the same counter
     (``launch_config`` says where the ops take it).
 
+    ``call_free_div`` (unrounded scales; the amax floor ``clamp_min`` must be at least ``_tl.SCALE_DIV_MIN``): the
+    scale's two quotients by ``_tl.SCALE_DIV`` instead of the IEEE division, whose slow-path call pins registers; for
+    128-token blocks two threads per channel compute them, one quotient each.
+
+    The barriers are explicit (TileLang's sync planner would add one per tile to the dynamic order: it cannot tell
+    that thread 0 writes a ring slot other threads no longer read); it added none to the static kernels.
+
     Gather indices ``>= num_tokens`` are counted once per output row: atomically into ``err[0]``, or with
     ``count_slots`` per CTA into ``err[bid]``, written only when nonzero (the slots are zeroed host memory that
     the check reads, ``tk_core.hostmem``: no fill kernel before and no copy after the cast).
@@ -128,6 +136,11 @@ def per_channel_cast_kernel(
     # the swizzled transpose staging is laid out for 64-channel tiles and packs a thread's 4 rows into one word
     assert not (transpose and (VEC != 8 or P != 4))
     assert not (dynamic and (gather or quant_in))
+    call_free_div = call_free_div and not round_sf  # (rounded scales do not divide)
+    # the two quotients on two threads each where the tile has the threads for it (128-token blocks): a lower
+    # register peak in the scale phase
+    split_scale = call_free_div and 2 * (BM // bm) * BK <= threads
+    prelude = ((E4M3X4_TO_F32 if quant_in else "") + (_tl.SCALE_DIV if call_free_div else "")) or None
     min_blocks = min_blocks or blocks_per_sm(in_dtype)
     ctas = ctas or DEFAULT_SMS * min_blocks
     num_tokens = T.dynamic("num_tokens")
@@ -221,18 +234,24 @@ def per_channel_cast_kernel(
             if k.fetched[0] < k.ntiles:
                 k.fetched[0] = 3 * k.nctas + T.atomic_add(k.sched[0], 1, return_prev=True)
         T.sync_threads()
-        if tx < NBT * BK:
-            b = tx // BK
+        if tx < NBT * BK * (2 if split_scale else 1):
+            b = tx % (NBT * BK) // BK
             c = tx % BK
             m = T.alloc_local((1,), "float32")
             m[0] = red[b * WPB, c]
             for w in T.unroll(1, WPB):
                 m[0] = T.max(m[0], red[b * WPB + w, c])
-            s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf)
-            sis[b, c] = s_inv
+            s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf, call_free_div)
             by = T.truncdiv(tile, NX)
-            if (by * NBT + b) * bm < num_out:
-                sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
+            if split_scale:
+                if tx < NBT * BK:
+                    sis[b, c] = s_inv
+                elif (by * NBT + b) * bm < num_out:
+                    sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
+            else:
+                sis[b, c] = s_inv
+                if (by * NBT + b) * bm < num_out:
+                    sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
         if transpose and defer_store:
             # the previous tile's staged bytes, complete since the barrier above, go out here (no barrier
             # of their own); this tile is staged only after the next barrier, when every thread has read them
@@ -277,7 +296,7 @@ def per_channel_cast_kernel(
     def body(x, x_sf, pos, out, sf, err, clamp_min, sched=None):
         ntiles = NX * T.ceildiv(num_out, BM)
         nctas = T.min(ntiles, ctas)
-        with T.Kernel(nctas, threads=threads, prelude=E4M3X4_TO_F32 if quant_in else None) as bid:
+        with T.Kernel(nctas, threads=threads, prelude=prelude) as bid:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
@@ -419,36 +438,43 @@ def per_channel_cast_kernel(
 # --- device ops -----------------------------------------------------------------------------------
 
 
-def launch_config(in_dtype: str, arch: str, bm: int, round_sf: bool, gather: bool, transpose: bool
-                  ) -> tuple[bool, int, int]:
-    """(``dynamic`` tile order, CTAs per SM, waves of the persistent grid) of the ops' launch, as measured on an H200
-    (``sweep_channel.py``; sweep_s20.log, sweep_s21.log):
+def launch_config(in_dtype: str, arch: str, bm: int, round_sf: bool, gather: bool, transpose: bool,
+                  clamp_min: float) -> tuple[bool, bool, int, int]:
+    """(``dynamic`` tile order, ``call_free_div``, CTAs per SM, waves of the persistent grid) of the ops' launch, as
+    measured on an H200 (``sweep_channel.py``; sweep_s20.log, sweep_s21.log, sweep_s22.log):
 
     - bf16 without a gather: the dynamic tile order on one wave, transposed at ``blocks_per_sm`` (4) CTAs per SM
       (1.008-1.027 of the anchors against 0.98-1.00 for the static order), untransposed at 3 (per_channel_cast 1.007
       -1.009 against 0.99, the 4,096-token fused plain line the same as static; at 4 CTAs it spilled and lost 1-6 %);
-    - except the transposed cast with 128-token blocks and unrounded scales: its dynamic kernel spills 12 bytes at
-      sm_90a's 64-register cap (the scale phase's IEEE divisions call their slow path) and measured the same as the
-      static one (3,620 against 3,623 GB/s), so the static order there;
+      on sm_90a with an amax floor of at least ``_tl.SCALE_DIV_MIN``, unrounded scales by ``_tl.SCALE_DIV`` (0 to +0.3
+      % on those lines; on sm_100a, not measured there, it would spill 4 bytes);
+    - except the transposed cast with 128-token blocks and unrounded scales by the IEEE division: its dynamic kernel
+      spills 12 bytes at 64 registers (the division's slow-path call) and measured the same as the static one (3,620
+      against 3,623 GB/s), so the static order there; with ``SCALE_DIV`` it does not spill and the dynamic order
+      takes that line from 3,626 to 3,742 GB/s (session 22);
     - the rest (fp32 input, gathers, QuantTensor input) the static order at ``blocks_per_sm``; static grids on one
       wave, or two for the transposed cast (a second wave, starting as the first one's CTAs finish: +0.6-0.9 %; plain
       -0.3 %, fused plain -1.8 %, QuantTensor input -4 %; 1.5 or 2.5 waves -5 to -14 %; the dynamic order on two
       waves -3 to -5 %).
     """
-    dynamic = in_dtype == "bfloat16" and not gather and not (transpose and bm == 128 and not round_sf)
+    family = in_dtype == "bfloat16" and not gather
+    call_free = family and not round_sf and arch == "sm_90a" and clamp_min >= _tl.SCALE_DIV_MIN
+    dynamic = family and not (transpose and bm == 128 and not round_sf and not call_free)
     min_blocks = blocks_per_sm(in_dtype, arch)
     if dynamic and not transpose:
         min_blocks = min(min_blocks, 3)
-    return dynamic, min_blocks, 2 if transpose and not dynamic else 1
+    return dynamic, call_free, min_blocks, 2 if transpose and not dynamic else 1
 
 
-def _launch(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool
-            ) -> tuple[str, bool, int, int]:
-    """(input dtype name, dynamic, CTAs per SM, CTAs of the persistent grid at most) of a launch on ``x``'s device:
-    ``launch_config`` with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit recompiles)."""
+def _launch(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool,
+            clamp_min: float) -> tuple[str, bool, bool, int, int]:
+    """(input dtype name, dynamic, call_free_div, CTAs per SM, CTAs of the persistent grid at most) of a launch on
+    ``x``'s device: ``launch_config`` with the SMs of ``tk_core.config.get_num_sms`` (a ``set_num_sms`` limit
+    recompiles)."""
     in_dtype = "float8_e4m3fn" if quant_in else _IN_DTYPES[x.dtype]
-    dynamic, min_blocks, waves = launch_config(in_dtype, arch_of(x.device), bm, round_sf, gather, transpose)
-    return in_dtype, dynamic, min_blocks, config.get_num_sms(x.device.index) * min_blocks * waves
+    dynamic, call_free, min_blocks, waves = launch_config(in_dtype, arch_of(x.device), bm, round_sf, gather, transpose,
+                                                          clamp_min)
+    return in_dtype, dynamic, call_free, min_blocks, config.get_num_sms(x.device.index) * min_blocks * waves
 
 
 _TILE_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -471,13 +497,14 @@ def _tile_counter(device: torch.device) -> torch.Tensor:
 def num_ctas(x: torch.Tensor, num_out: int, quant_in: bool) -> int:
     """CTAs the gathering kernel launches for ``num_out`` output rows (one error slot each with ``count_slots``)."""
     ntiles = x.shape[1] // (TPR * default_vec(quant_in)) * ceil_div(num_out, BM)
-    return min(ntiles, _launch(x, 128, False, True, quant_in, False)[3])
+    # (the gather's grid does not depend on the amax floor)
+    return min(ntiles, _launch(x, 128, False, True, quant_in, False, config.get_amax_clamp("e4m3"))[4])
 
 
 def _launch_kernel(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant_in: bool, transpose: bool, args,
                    clamp_min: float, count_slots: bool = False) -> None:
     """Runs the kernel for these flags on ``x``'s device with ``args`` (the tensors before ``sched``)."""
-    in_dtype, dynamic, min_blocks, ctas = _launch(x, bm, round_sf, gather, quant_in, transpose)
+    in_dtype, dynamic, call_free, min_blocks, ctas = _launch(x, bm, round_sf, gather, quant_in, transpose, clamp_min)
     k = per_channel_cast_kernel.get(
         x.device,
         in_dtype=in_dtype,
@@ -491,6 +518,7 @@ def _launch_kernel(x: torch.Tensor, bm: int, round_sf: bool, gather: bool, quant
         ctas=ctas,
         count_slots=count_slots,
         dynamic=dynamic,
+        call_free_div=call_free,
     )
     k(*args, *([_tile_counter(x.device)] if dynamic else []), clamp_min)
 
