@@ -94,6 +94,7 @@ def per_channel_cast_kernel(
     defer_store: bool = True,
     dynamic: bool = False,
     call_free_div: bool = False,
+    split_scale: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -119,7 +120,8 @@ def per_channel_cast_kernel(
 
     ``call_free_div`` (unrounded scales; the amax floor ``clamp_min`` must be at least ``_tl.SCALE_DIV_MIN``): the
     scale's two quotients by ``_tl.SCALE_DIV`` instead of the IEEE division, whose slow-path call pins registers; for
-    128-token blocks two threads per channel compute them, one quotient each.
+    128-token blocks two threads per channel compute them, one quotient each (``split_scale``: the same for the
+    rounded scales; a sweep variant, 0 to -2 %).
 
     The barriers are explicit (TileLang's sync planner would add one per tile to the dynamic order: it cannot tell
     that thread 0 writes a ring slot other threads no longer read); it added none to the static kernels.
@@ -138,8 +140,8 @@ def per_channel_cast_kernel(
     assert not (dynamic and (gather or quant_in))
     call_free_div = call_free_div and not round_sf  # (rounded scales do not divide)
     # the two quotients on two threads each where the tile has the threads for it (128-token blocks): a lower
-    # register peak in the scale phase
-    split_scale = call_free_div and 2 * (BM // bm) * BK <= threads
+    # register peak in the scale phase (``split_scale`` for the rounded scales as well)
+    split_scale = (split_scale or call_free_div) and 2 * (BM // bm) * BK <= threads
     prelude = ((E4M3X4_TO_F32 if quant_in else "") + (_tl.SCALE_DIV if call_free_div else "")) or None
     min_blocks = min_blocks or blocks_per_sm(in_dtype)
     ctas = ctas or DEFAULT_SMS * min_blocks
