@@ -189,10 +189,10 @@ def test_unrounded_scales_over_the_exponent_range(floor):
 
 @gpu
 def test_and_transpose_tile_counters():
-    """The transposed cast's dynamic tile order (``launch_config``: every bf16 launch but bm 128 with IEEE-divided scales): every
-    launch leaves its counters at zero, each stream has its own (launches on two streams run side by side), any grid
-    (``set_num_sms``) works on them, and a CUDA graph capture takes a fresh zeroed pair per call whose fill each
-    replay repeats."""
+    """The transposed cast's dynamic tile order (``launch_config``: every bf16 launch but bm 128 with IEEE-divided
+    scales): every launch leaves its counters at zero, each stream has its own (launches on two streams run side by
+    side), any grid (``set_num_sms``) works on them, and a CUDA graph capture takes a fresh zeroed pair per call whose
+    fill each replay repeats."""
     from tk_quant.per_channel_cast import _TILE_COUNTERS
 
     xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for t, h in ((16, 576), (208, 7168), (4096, 7168))]

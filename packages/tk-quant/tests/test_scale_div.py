@@ -1,5 +1,6 @@
-"""``_tl.SCALE_DIV``: the unrounded scale rule's ``A'/Q`` and ``Q/A'`` without nvcc's division call, bit for bit the IEEE
-quotients for every ``A'`` from ``SCALE_DIV_MIN`` up (exact arithmetic on the CPU, every significand on the GPU)."""
+"""``_tl.SCALE_DIV``: the unrounded scale rule's ``A'/Q`` and ``Q/A'`` without nvcc's division call, bit for bit the
+IEEE quotients for every ``A'`` from ``SCALE_DIV_MIN`` up (exact arithmetic on the CPU, every significand on the
+GPU)."""
 
 import math
 import random

@@ -4,8 +4,9 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
 ``T.prim_func``. They implement, bit for bit, the conversions of ``tk_core.formats``:
 
 - ``scale_rule``: ``A' = max(amax, c_min)``; ``sf = A'/Q`` and ``sf_inv = Q/A'`` (two IEEE divisions, or with
-  ``call_free`` the same quotients by ``SCALE_DIV``), or, with ``round_sf``, ``k = ((bits(A'/Q) - 1) >> 23) - 126``, ``sf = 2**k``, ``sf_inv = 2**-k``
-  (``pow2`` handles the subnormal and overflow ends exactly like ``tk_core.formats.pow2``).
+  ``call_free`` the same quotients by ``SCALE_DIV``), or, with ``round_sf``, ``k = ((bits(A'/Q) - 1) >> 23) -
+  126``, ``sf = 2**k``, ``sf_inv = 2**-k`` (``pow2`` handles the subnormal and overflow ends exactly like
+  ``tk_core.formats.pow2``).
 - ``encode_e2m1``: RNE on the e2m1 code grid, saturating at 6, NaN -> 7, sign bit copied (software, so
   sm_90a and sm_100a agree and match the reference).
 - ``sf_offset``: the element offset of scale block ``(m, k)`` in the flat storage of an SF layout.
@@ -40,14 +41,15 @@ def pow2(k):
     return T.reinterpret(bits, "float32")
 
 
-# ``A'/Q`` and ``Q/A'`` correctly rounded without nvcc's division, whose inline fast path comes with a call of a slow
-# path routine: its calling convention pins registers (the dynamic transposed per-channel kernel spilled 12 bytes
-# for it). ``A' = m * 2**e`` with ``m`` in [1, 2); each quotient of ``m`` is rounded by Markstein's correction from a
-# correctly rounded reciprocal (``RN(1/Q)`` a constant, ``RN(1/m)`` by ``tk_rcp_fast``: ``q = RN(m * RN(1/Q))`` is within an ulp of ``m/Q``, so ``r = m - q Q``
-# is exact and ``RN(q + r RN(1/Q))`` is the IEEE quotient; the same for ``Q/m``), then moved by ``2**+-e`` in the
-# exponent field, exact while both results are normal: for ``A'`` from ``SCALE_DIV_MIN`` up (``Q`` in [1, 2**16]);
-# +inf and NaN pass as the division would give them. The kernel's prelude must contain ``SCALE_DIV``; callers
-# take it only when the amax floor is at least ``SCALE_DIV_MIN``. A gpu test compares every significand with ``/``.
+# ``A'/Q`` and ``Q/A'`` correctly rounded without nvcc's division, whose inline fast path comes with a call of a
+# slow-path routine: its calling convention pins registers (the dynamic transposed per-channel kernel spilled 12 bytes
+# for it). ``A' = m * 2**e`` with ``m`` in [1, 2). Each quotient of ``m`` is rounded by Markstein's correction from a
+# correctly rounded reciprocal (``RN(1/Q)`` a constant, ``RN(1/m)`` by ``tk_rcp_fast``): ``q = RN(m * RN(1/Q))`` is
+# within an ulp of ``m/Q``, so ``r = m - q Q`` is exact and ``RN(q + r RN(1/Q))`` is the IEEE quotient; the same for
+# ``Q/m``. The results are then moved by ``2**+-e`` in the exponent field, exact while both are normal: for ``A'``
+# from ``SCALE_DIV_MIN`` up (``Q`` in [1, 2**16]); +inf and NaN pass as the division gives them. The kernel's prelude
+# must contain ``SCALE_DIV``; callers take it only when the amax floor is at least ``SCALE_DIV_MIN``. A gpu test
+# compares every significand with ``/``.
 SCALE_DIV = RCP_FAST + r"""
 __device__ __forceinline__ float tk_scale_mant(float a) {
   return __uint_as_float((__float_as_uint(a) & 0x007fffffu) | 0x3f800000u);
@@ -72,7 +74,7 @@ SCALE_DIV_MIN = 2.0**-100
 
 
 def _rn_reciprocal_bits(c: float) -> int:
-    """The float32 bits of ``1/c`` rounded to nearest (exact rational comparison of the two candidates)."""
+    """The float32 bits of ``1/c`` rounded to nearest (the nearest of three neighbours, compared exactly)."""
     r = struct.unpack("<I", struct.pack("<f", 1.0 / c))[0]
     err = [abs(Fraction(struct.unpack("<f", struct.pack("<I", b))[0]) - 1 / Fraction(c)) for b in (r - 1, r, r + 1)]
     return r - 1 + err.index(min(err))
