@@ -4,7 +4,8 @@
     python3 dev.py -s demo      run every op and compare it with its reference
     python3 dev.py -s tests     the test tiers this machine can run
 
-The first call installs nox into .venv-tools/; every argument is passed to nox.
+The first call installs nox (and uv, which nox uses to build the sessions' environments when it is there) into
+.venv-tools/; every argument is passed to nox.
 """
 
 import os
@@ -18,5 +19,7 @@ NOX = os.path.join(TOOLS, "bin", "nox")
 
 if not os.path.exists(NOX):
     venv.create(TOOLS, with_pip=True)
-    subprocess.run([os.path.join(TOOLS, "bin", "python"), "-m", "pip", "install", "-q", "nox"], check=True)
+    pip = [os.path.join(TOOLS, "bin", "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "nox"], check=True)
+    subprocess.run([*pip, "uv"], check=False)  # optional: without it nox uses virtualenv and pip
 os.execv(NOX, [NOX, "-f", os.path.join(ROOT, "noxfile.py"), *sys.argv[1:]])

@@ -25,6 +25,15 @@ HAS_GPU = shutil.which("nvidia-smi") is not None and subprocess.run(["nvidia-smi
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_venv = "yes"
+# uv builds a session's environment in seconds where pip takes a minute or more (torch from a local wheel, tilelang,
+# the editable packages); nox falls back to virtualenv + pip where uv is missing. uv does not read pip's
+# configuration: the wheel directory and the certificate bundle are passed on, and bytecode is compiled at install
+# (the environment may set PYTHONDONTWRITEBYTECODE, and importing torch and tilelang uncompiled costs seconds).
+nox.options.default_venv_backend = "uv|virtualenv"
+for _pip_var, _uv_var in (("PIP_FIND_LINKS", "UV_FIND_LINKS"), ("PIP_CERT", "SSL_CERT_FILE")):
+    if os.environ.get(_pip_var):
+        os.environ.setdefault(_uv_var, os.environ[_pip_var])
+os.environ.setdefault("UV_COMPILE_BYTECODE", "1")
 
 
 def _env() -> dict:
