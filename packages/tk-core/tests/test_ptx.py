@@ -19,6 +19,7 @@ from tk_core.ptx import (
     div_silu_bf16,
     one_plus_exp_neg_bf16,
 )
+from tk_core.testing import round_f32
 from tk_core.testing.compile_check import assert_compiles
 
 N_BF16 = 1 << 16
@@ -61,20 +62,6 @@ def _f32(bits: int) -> Fraction:
     return Fraction(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
-def _round_f32(q: Fraction) -> Fraction:
-    """``q`` rounded to the nearest float32 (ties to even); normal range."""
-    if q == 0:
-        return q
-    e = math.floor(math.log2(abs(q)))
-    e += (Fraction(2) ** (e + 1) <= abs(q)) - (Fraction(2) ** e > abs(q))
-    ulp = Fraction(2) ** (e - 23)
-    m = abs(q) / ulp
-    k = math.floor(m)
-    if m - k > Fraction(1, 2) or (m - k == Fraction(1, 2) and k % 2):
-        k += 1
-    return (1 if q > 0 else -1) * k * ulp
-
-
 def test_exp_silu_bf16_reduction():
     """``tk_one_plus_exp_neg_bf16`` is nvcc's ``1.0f + expf(-a)`` but for the integer part n of ``-a * log2e``;
     the two n are equal, in exact arithmetic, for every bf16 ``a`` of its range, and differ just below it (so the
@@ -85,7 +72,7 @@ def test_exp_silu_bf16_reduction():
 
     def n_pair(h):
         x = -_f32(h << 16)
-        s = min(max(_round_f32(x * c + Fraction(1, 2)), Fraction(0)), Fraction(1))
+        s = min(max(round_f32(x * c + Fraction(1, 2)), Fraction(0)), Fraction(1))
         return math.floor(s * 252 + 12582913) - 12583039, math.floor(x * log2e + 12583039) - 12583039
 
     checked = _bf16_in_range(EXP_SILU_BF16_LO)

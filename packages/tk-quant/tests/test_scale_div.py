@@ -4,7 +4,6 @@ GPU)."""
 
 import math
 import random
-import struct
 from fractions import Fraction
 
 import pytest
@@ -12,6 +11,7 @@ import tilelang.language as T
 import torch
 
 from tk_core import jit
+from tk_core.testing import round_f32
 from tk_core.testing.compile_check import assert_compiles
 from tk_quant import _tl
 
@@ -47,26 +47,13 @@ def test_scale_quotients_compile(arch):
     assert "tk_scale_quot" in src and "tk_scale_recip" in src
 
 
-def _f32(x: Fraction) -> Fraction:
-    """``x`` rounded to the nearest float32 (ties to even); normal range."""
-    if x == 0:
-        return x
-    sign, m = (1 if x > 0 else -1), abs(x)
-    e = m.numerator.bit_length() - m.denominator.bit_length()
-    e += (Fraction(2) ** (e + 1) <= m) - (Fraction(2) ** e > m)
-    ulp = Fraction(2) ** (e - 23)
-    k, r = divmod(m, ulp)
-    k += r > ulp / 2 or (r == ulp / 2 and k % 2)
-    return sign * k * ulp
-
-
 def _quotients(m: Fraction, c: Fraction) -> tuple[Fraction, Fraction]:
     """The device sequence in exact arithmetic for a significand ``m`` in [1, 2): each step one IEEE rounding."""
-    rc, rm = _f32(1 / c), _f32(1 / m)
-    q = _f32(m * rc)
-    q = _f32(_f32(m - q * c) * rc + q)
-    p = _f32(c * rm)
-    p = _f32(_f32(c - p * m) * rm + p)
+    rc, rm = round_f32(1 / c), round_f32(1 / m)
+    q = round_f32(m * rc)
+    q = round_f32(round_f32(m - q * c) * rc + q)
+    p = round_f32(c * rm)
+    p = round_f32(round_f32(c - p * m) * rm + p)
     return q, p
 
 
@@ -81,8 +68,8 @@ def test_scale_quotients_exact_arithmetic(fmt_max):
     ms |= {1 + rng.randrange(1 << 23) * ulp for _ in range(3000)}
     for m in sorted(ms):
         q, p = _quotients(m, c)
-        assert q == _f32(m / c) and p == _f32(c / m), (float(m), fmt_max)
-    assert struct.unpack("<f", struct.pack("<I", _tl._rn_reciprocal_bits(fmt_max)))[0] == _f32(1 / c)
+        assert q == round_f32(m / c) and p == round_f32(c / m), (float(m), fmt_max)
+    assert Fraction(_tl.rn_reciprocal(fmt_max)) == round_f32(1 / c)
 
 
 @pytest.mark.gpu

@@ -17,12 +17,10 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
   per-channel casts).
 """
 
-import struct
-from fractions import Fraction
-
 import tilelang.language as T
+import torch
 
-from tk_core.ptx import RCP_FAST
+from tk_core.ptx import DIV_FAST, RCP_FAST
 
 FORMAT_MAX = {"e4m3": 448.0, "e2m1": 6.0}
 
@@ -43,14 +41,14 @@ def pow2(k):
 
 # ``A'/Q`` and ``Q/A'`` correctly rounded without nvcc's division, whose inline fast path comes with a call of a
 # slow-path routine: its calling convention pins registers (the dynamic transposed per-channel kernel spilled 12 bytes
-# for it). ``A' = m * 2**e`` with ``m`` in [1, 2). Each quotient of ``m`` is rounded by Markstein's correction from a
-# correctly rounded reciprocal (``RN(1/Q)`` a constant, ``RN(1/m)`` by ``tk_rcp_fast``): ``q = RN(m * RN(1/Q))`` is
-# within an ulp of ``m/Q``, so ``r = m - q Q`` is exact and ``RN(q + r RN(1/Q))`` is the IEEE quotient; the same for
-# ``Q/m``. The results are then moved by ``2**+-e`` in the exponent field, exact while both are normal: for ``A'``
-# from ``SCALE_DIV_MIN`` up (``Q`` in [1, 2**16]); +inf and NaN pass as the division gives them. The kernel's prelude
-# must contain ``SCALE_DIV``; callers take it only when the amax floor is at least ``SCALE_DIV_MIN``. A gpu test
-# compares every significand with ``/``.
-SCALE_DIV = RCP_FAST + r"""
+# for it). ``A' = m * 2**e`` with ``m`` in [1, 2). Each quotient of ``m`` is ``tk_core.ptx``'s
+# ``tk_quotient_from_rcp`` (Markstein's correction) from a correctly rounded reciprocal, ``RN(1/Q)`` a constant and
+# ``RN(1/m)`` by ``tk_rcp_fast``: ``q = RN(m * RN(1/Q))`` is within an ulp of ``m/Q``, so ``r = m - q Q`` is exact and
+# ``RN(q + r RN(1/Q))`` is the IEEE quotient; the same for ``Q/m``. The results are then moved by ``2**+-e`` in the
+# exponent field, exact while both are normal: for ``A'`` from ``SCALE_DIV_MIN`` up (``Q`` in [1, 2**16]); +inf and
+# NaN pass as the division gives them. The kernel's prelude must contain ``SCALE_DIV``; callers take it only when the
+# amax floor is at least ``SCALE_DIV_MIN``. A gpu test compares every significand with ``/``.
+SCALE_DIV = RCP_FAST + DIV_FAST + r"""
 __device__ __forceinline__ float tk_scale_mant(float a) {
   return __uint_as_float((__float_as_uint(a) & 0x007fffffu) | 0x3f800000u);
 }
@@ -58,26 +56,21 @@ __device__ __forceinline__ unsigned tk_scale_exp(float a) {
   return ((__float_as_uint(a) >> 23) - 127u) << 23;
 }
 __device__ __forceinline__ float tk_scale_quot(float a, float c, float rc) {
-  const float m = tk_scale_mant(a);
-  const float q = __fmul_rn(m, rc);
-  const float s = __uint_as_float(__float_as_uint(__fmaf_rn(__fmaf_rn(-q, c, m), rc, q)) + tk_scale_exp(a));
+  const float s = __uint_as_float(__float_as_uint(tk_quotient_from_rcp(tk_scale_mant(a), c, rc)) + tk_scale_exp(a));
   return __float_as_uint(a) >= 0x7f800000u ? a : s;
 }
 __device__ __forceinline__ float tk_scale_recip(float c, float a) {
-  const float m = tk_scale_mant(a), rm = tk_rcp_fast(m);
-  const float p = __fmul_rn(c, rm);
-  const float s = __uint_as_float(__float_as_uint(__fmaf_rn(__fmaf_rn(-p, m, c), rm, p)) - tk_scale_exp(a));
+  const float m = tk_scale_mant(a);
+  const float s = __uint_as_float(__float_as_uint(tk_quotient_from_rcp(c, m, tk_rcp_fast(m))) - tk_scale_exp(a));
   return __float_as_uint(a) >= 0x7f800000u ? (a == a ? 0.0f : a) : s;
 }
 """
 SCALE_DIV_MIN = 2.0**-100
 
 
-def _rn_reciprocal_bits(c: float) -> int:
-    """The float32 bits of ``1/c`` rounded to nearest (the nearest of three neighbours, compared exactly)."""
-    r = struct.unpack("<I", struct.pack("<f", 1.0 / c))[0]
-    err = [abs(Fraction(struct.unpack("<f", struct.pack("<I", b))[0]) - 1 / Fraction(c)) for b in (r - 1, r, r + 1)]
-    return r - 1 + err.index(min(err))
+def rn_reciprocal(c: float) -> float:
+    """``1/c`` rounded to the nearest float32 (a float32 division: IEEE, so correctly rounded)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(c, dtype=torch.float32))
 
 
 def scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool, call_free: bool = False):
@@ -86,7 +79,7 @@ def scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool, call_free: bool 
     a = T.max(amax, clamp_min)
     if not round_sf and call_free:
         q = T.float32(fmt_max)
-        rc = T.reinterpret(T.uint32(_rn_reciprocal_bits(fmt_max)), "float32")
+        rc = T.float32(rn_reciprocal(fmt_max))
         return T.call_extern("float32", "tk_scale_quot", a, q, rc), T.call_extern("float32", "tk_scale_recip", q, a)
     s0 = a / T.float32(fmt_max)
     if not round_sf:

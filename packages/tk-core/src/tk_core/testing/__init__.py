@@ -10,7 +10,7 @@ from .generators import (
     generate_rand_float,
     generate_topk_idx,
 )
-from .numeric import assert_equal, calc_diff, capture_cuda_graph, check_bias, count_bytes, opcheck
+from .numeric import assert_equal, calc_diff, capture_cuda_graph, check_bias, count_bytes, opcheck, round_f32
 
 __all__ = [
     "assert_equal",
@@ -27,4 +27,5 @@ __all__ = [
     "generate_rand_float",
     "generate_topk_idx",
     "opcheck",
+    "round_f32",
 ]

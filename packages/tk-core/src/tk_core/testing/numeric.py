@@ -1,6 +1,7 @@
 """Numeric comparison helpers for tests."""
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -18,6 +19,21 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     if denom == 0.0:
         return 0.0
     return ((x - y) ** 2).sum().item() / denom
+
+
+def round_f32(q: Fraction) -> Fraction:
+    """``q`` rounded to the nearest float32 (ties to even), in exact arithmetic; normal range. For checks of
+    device sequences step by step (each step one IEEE rounding)."""
+    if q == 0:
+        return q
+    e = math.floor(math.log2(abs(q)))
+    e += (Fraction(2) ** (e + 1) <= abs(q)) - (Fraction(2) ** e > abs(q))
+    ulp = Fraction(2) ** (e - 23)
+    m = abs(q) / ulp
+    k = math.floor(m)
+    if m - k > Fraction(1, 2) or (m - k == Fraction(1, 2) and k % 2):
+        k += 1
+    return (1 if q > 0 else -1) * k * ulp
 
 
 def _byte_view(x: torch.Tensor) -> torch.Tensor:
