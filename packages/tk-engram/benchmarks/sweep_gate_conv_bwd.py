@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tk_core.jit import arch_of
+from tk_core.jit import KernelFactory, arch_of
 from tk_core.testing import calc_diff
 from tk_core.testing.bench import copy_bandwidth_gbps, device_time_us
 from tk_engram import _gate_conv_kernels as K
@@ -46,6 +46,13 @@ VARIANTS = {
     # the approximate sigmoid at every width (the op takes it in the cluster kernels only)
     "approx": lambda d, cfg=gate_conv.bwd_config: dict(cfg(d), approx_sigmoid=True),
 }
+# Variants whose main kernel is compiled with TileLang's shared-memory sync planner on (as before session 23): at
+# d > 4096 it added two barriers per token around the row sums' exchange; the kernel's own barrier and mbarriers
+# order every cross-thread access (the rings and accumulators are per-thread columns).
+PLANNER_ON = {"planner"}
+VARIANTS["planner"] = gate_conv.bwd_config
+PLANNER_KERNEL = KernelFactory(K.gate_conv_bwd_kernel.factory,
+                               {**K.gate_conv_bwd_kernel.pass_configs, "tl.disable_thread_storage_sync": False})
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
 ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
     (2, 67, 200, 3, 2, torch.float16, 0.5),
@@ -67,10 +74,14 @@ def jobs(variant):
     for _, _, d, taps, dil, dt, _ in SHAPES:
         cfg = VARIANTS[variant](d)
         p = dict(dtype=TL[dt], d=d, taps=taps, dilation=dil)
-        out.append((K.gate_conv_bwd_kernel, dict(p, **cfg)))
+        out.append((main_kernel(variant), dict(p, **cfg)))
         if not cfg["with_dconv"]:
             out.append((K.gate_conv_dconv_kernel, dict(p, **gate_conv.DCONV_PARAMS)))
     return out
+
+
+def main_kernel(variant):
+    return PLANNER_KERNEL if variant in PLANNER_ON else K.gate_conv_bwd_kernel
 
 
 def case(M, T, d, taps, dil, dtype, scale):
@@ -122,6 +133,7 @@ def main():
     for n in names:
         try:
             gate_conv.bwd_config = VARIANTS[n]
+            gate_conv.gate_conv_bwd_kernel = main_kernel(n)
             for s, args in cases.items():
                 M, T, d, taps, dil = s[:5]
                 good, det = checks(args, dil)
@@ -138,6 +150,7 @@ def main():
             traceback.print_exc()
         finally:
             gate_conv.bwd_config = default
+            gate_conv.gate_conv_bwd_kernel = K.gate_conv_bwd_kernel
 
 
 if __name__ == "__main__":

@@ -607,7 +607,10 @@ def bwd_elementwise(dtype: str, approx: bool = False):
     return prelude + RCP_FAST, el, pack, sigmoid
 
 
-@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+# TileLang's shared-memory sync planner is off: it cannot see the cluster exchange's st.async / mbarrier protocol
+# and, at d > 4096, added two barriers per token around it. The explicit barrier and mbarriers order every
+# cross-thread access; the rings and accumulators are per-thread columns.
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
                          vecs: int = 1, hoist_w: bool = True, ahead: bool = True, planes: bool = True,
                          split: int = 1, approx_sigmoid: bool = False):
