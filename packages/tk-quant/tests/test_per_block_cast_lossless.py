@@ -19,8 +19,9 @@ from tk_quant.per_block_cast_lossless import (
     per_block_cast_lossless_kernel,
 )
 
-# (2, 64): several block maxima per thread; (64, 512): 8 threads per row, through shared memory
-OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512)]
+# (2, 64): several block maxima per thread; (64, 512): 8 threads per row, through shared memory; (1, 1024): 32 values
+# per thread and row, so that one warp covers the block
+OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512), (1, 1024)]
 LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True
 
 

@@ -96,11 +96,19 @@ def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: i
     return 3 if pieces <= 8 else 1
 
 
+def row_seg(bm_out: int, bk_out: int, seg: int = SEG) -> int:
+    """Values per thread and row: ``seg``, or for one-row output blocks wider than a warp's ``32 * seg`` columns
+    (1 x 1,024) ``bk_out / 32``, so that one warp's butterfly covers the block (with 16 values a 1 x 1,024 block
+    spanned two warps, each taking the maximum of its own 512 columns)."""
+    return max(seg, bk_out // 32) if bm_out == 1 else seg
+
+
 def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
           threads: int = THREADS) -> tuple[int, int, int]:
-    """(BK, TPR, P): BK columns per tile, TPR threads per row (``seg`` columns each), P consecutive rows per
+    """(BK, TPR, P): BK columns per tile, TPR threads per row (``row_seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""
+    seg = row_seg(bm_out, bk_out, seg)
     BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
     TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // threads)
@@ -111,7 +119,8 @@ def num_ctas(t: int, h: int, bm_out: int, bk_out: int, in_kind: str, sms: int) -
     tile when there are fewer tiles."""
     bk, tpr, p = _tile(bm_out, bk_out)
     rows = THREADS // tpr * p  # rows per tile
-    return min(ceil_div(h, bk) * ceil_div(t, rows), sms * default_min_blocks(p, bm_out, bk_out, in_kind))
+    return min(ceil_div(h, bk) * ceil_div(t, rows),
+               sms * default_min_blocks(p, bm_out, bk_out, in_kind, row_seg(bm_out, bk_out)))
 
 
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
@@ -193,6 +202,7 @@ def per_block_cast_lossless_kernel(
     no counter has to be zeroed by another launch; with ``zero_counts`` False only a nonzero count is written
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
+    seg = row_seg(bm_out, bk_out, seg)
     BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
