@@ -45,12 +45,10 @@ VARIANTS = {
     "split_c32": config(cluster_chunk=32),
     # the approximate sigmoid at every width (the op takes it in the cluster kernels only)
     "approx": lambda d, cfg=gate_conv.bwd_config: dict(cfg(d), approx_sigmoid=True),
+    # the op default with TileLang's shared-memory sync planner on (as before session 23; ``PLANNER_KERNEL``): at
+    # d > 4096 it added two barriers per token around the row sums' exchange
+    "planner": gate_conv.bwd_config,
 }
-# Variants whose main kernel is compiled with TileLang's shared-memory sync planner on (as before session 23): at
-# d > 4096 it added two barriers per token around the row sums' exchange; the kernel's own barrier and mbarriers
-# order every cross-thread access (the rings and accumulators are per-thread columns).
-PLANNER_ON = {"planner"}
-VARIANTS["planner"] = gate_conv.bwd_config
 PLANNER_KERNEL = KernelFactory(K.gate_conv_bwd_kernel.factory,
                                {**K.gate_conv_bwd_kernel.pass_configs, "tl.disable_thread_storage_sync": False})
 ANCHORS = [(4, 2048, 4096, 4, 1), (4, 2048, 7168, 4, 1), (2, 4096, 7168, 4, 3)]  # (M, T, d, taps, dilation)
@@ -81,7 +79,7 @@ def jobs(variant):
 
 
 def main_kernel(variant):
-    return PLANNER_KERNEL if variant in PLANNER_ON else K.gate_conv_bwd_kernel
+    return PLANNER_KERNEL if variant == "planner" else K.gate_conv_bwd_kernel
 
 
 def case(M, T, d, taps, dil, dtype, scale):

@@ -30,17 +30,17 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``32 <= bk_in <= bk_out <= 1024``; ``bm_in, bm_out`` powers of two, ``bm_out % bm_in == 0``,
 ``bm_out <= 128``.
 
-Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store
-per pass, for P consecutive rows (the lanes of a warp store contiguous bytes): an 8-entry byte LUT per row (two
-integer multiply-adds when every value of the row stays a normal e4m3 number, ``d_i >= LUT_D_MIN``; else the
-exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte permutes per 4 values (magnitude from the
-LUT, sign bit moved into place). The block maximum of exponents is taken in-thread over the rows, then with warp
-shuffles (``bm_out == 1``: one warp per 512-column row segment; lanes that share an input scale skip their
-step), and through shared memory (one partial per warp, one barrier per tile) only for blocks taller than a
-warp's rows. A persistent grid (SMs x 3-6 CTAs, ``default_min_blocks``) walks the tiles and prefetches the next
-tile (the next two for 1-row output blocks; data and raw input scales) into register buffers while the current
-one is converted and stored. Index math is int32 per tile. The token count and the input SF strides are runtime
-arguments.
+Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store (1 x 1,024
+blocks: 32 values and two stores, ``row_seg``) per pass, for P consecutive rows (the lanes of a warp store
+contiguous bytes): an 8-entry byte LUT per row (two integer multiply-adds when every value of the row stays a normal
+e4m3 number, ``d_i >= LUT_D_MIN``; else the exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte
+permutes per 4 values (magnitude from the LUT, sign bit moved into place). The block maximum of exponents is taken
+in-thread over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column (1,024) row segment;
+lanes that share an input scale skip their step), and through shared memory (one partial per warp, one barrier per
+tile) only for blocks taller than a warp's rows. A persistent grid (SMs x 3-6 CTAs, ``default_min_blocks``) walks
+the tiles and prefetches the next tile (the next two for 1-row output blocks; data and raw input scales) into
+register buffers while the current one is converted and stored. Index math is int32 per tile. The token count and
+the input SF strides are runtime arguments.
 """
 
 import tilelang.language as T
@@ -82,10 +82,10 @@ def default_bufs(bm_out: int) -> int:
 def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: int = SEG) -> int:
     """CTAs per SM for ``rows`` rows of ``seg`` values per thread. The tuned tiles (``SEG`` values; H200, PERF-NOTES
     session 19): 2 rows at 6 CTAs for one-row output blocks from fp32 input scales up to 512 columns (39-40 registers
-    on sm_90a with three tile buffers; 32 x 32 blocks lost 5 % there; UE8M0 input or 1,024-column blocks spill
-    at 40) and 5 otherwise (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104).
-    Else the most CTAs whose register cap holds both tile buffers without spills (sm_90a: 32 x 2 needs 55-59
-    registers, 32 x 4 76 for 1 x 128 and 64 for 2-D blocks)."""
+    on sm_90a with three tile buffers; 32 x 32 blocks lost 5 % there; UE8M0 input spills at 40) and 5 otherwise
+    (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104). Else the most CTAs whose
+    register cap holds both tile buffers without spills (sm_90a: 32 x 2 needs 55-64 registers, e.g. 1 x 1,024's
+    ``row_seg`` tile at 4 CTAs; 32 x 4 76 for 1 x 128 and 64 for 2-D blocks)."""
     if seg == SEG and rows == 2:
         return 6 if bm_out == 1 and in_kind == "fp32" and bk_out <= 512 else 5
     if seg == SEG and rows in (4, 8):
