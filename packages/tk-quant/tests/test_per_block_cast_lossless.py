@@ -12,16 +12,19 @@ from tk_quant.per_block_cast_lossless import (
     LUT_BASE,
     LUT_D_MIN,
     LUT_STEP,
+    THREADS,
     _pack_bytes,
+    _tile,
     num_ctas,
     per_block_cast_lossless,
     per_block_cast_lossless_,
     per_block_cast_lossless_kernel,
 )
 
-# (2, 64): several block maxima per thread; (64, 512): 8 threads per row, through shared memory; (1, 1024): 32 values
-# per thread and row, so that one warp covers the block
-OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512), (1, 1024)]
+# (2, 64): several block maxima per thread; (64, 512): 8 threads per row, through shared memory; 1,024 columns: 32
+# values per thread and row, so that one warp covers the block's row ((8, 1024): 4 warps per block, through shared
+# memory; (128, 1024): 16 rows per thread)
+OUT_BLOCKS = [(1, 128), (32, 32), (128, 128), (2, 64), (64, 512), (1, 1024), (8, 1024), (128, 1024)]
 LAYOUTS = [(False, False), (True, True)]  # (col, packed); round_sf always True
 
 
@@ -102,6 +105,18 @@ def test_validation(kwargs, exc, msg):
         per_block_cast_lossless(**args)
 
 
+@pytest.mark.parametrize("bm_out", [1, 2, 4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("bk_out", [32, 64, 128, 256, 512, 1024])
+def test_tile_gives_every_block_row_to_one_warp(bm_out, bk_out):
+    # every admissible output block: a block's row lies within one warp (its maximum is one butterfly), each warp holds
+    # whole rows, and a tile holds whole block rows; 1,024-column blocks taller than one row once left a warp no row
+    bk, tpr, p = _tile(bm_out, bk_out)
+    seg = bk // tpr  # values per thread and row
+    assert tpr <= 32 and 32 % tpr == 0 and p >= 1  # each warp holds whole tile rows
+    assert bk % bk_out == 0 and bk_out // seg <= tpr  # a block's row lies within a tile row
+    assert (THREADS // tpr * p) % bm_out == 0  # a tile holds whole block rows
+
+
 def test_integer_lut_is_the_e4m3_encoding():
     # the kernel's LUT words for LUT_D_MIN <= d <= 6 against torch's e4m3 encoding of each code * 2**d; one step
     # lower the code 0.5 becomes subnormal and the shortcut would be wrong
@@ -132,6 +147,10 @@ COMPILE_VARIANTS = [
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=1024, layout="packed"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=1, bk_out=512, layout="col"),
     dict(hidden=7168, bm_in=1, bk_in=32, in_kind="packed", bm_out=64, bk_out=512, layout="packed"),
+    # 1,024-column blocks taller than a row: 3 CTAs per SM at 4 rows of 32 values (4 spilled), 2 at 8, 1 at 16
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=32, bk_out=1024, layout="row"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="packed", bm_out=64, bk_out=1024, layout="packed"),
+    dict(hidden=7168, bm_in=1, bk_in=32, in_kind="fp32", bm_out=128, bk_out=1024, layout="col"),
 ]
 
 
@@ -170,7 +189,7 @@ def test_kernel_matches_reference(t, h, out_block, in_layout, out_layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 127, 1001])
 @pytest.mark.parametrize(("in_block", "out_block"), [((16, 32), (32, 32)), ((16, 32), (128, 128)), ((8, 64), (8, 64)),
-                                                     ((8, 64), (64, 512)), ((2, 128), (4, 256))])
+                                                     ((8, 64), (64, 512)), ((2, 128), (4, 256)), ((16, 32), (32, 1024))])
 def test_taller_and_wider_input_blocks(t, in_block, out_block):
     # input blocks of several rows and columns: lanes and rows that share an input scale skip their butterfly steps
     xq = tuple(v.cuda() for v in _fp4_input(t, 576, (False, False), in_block=in_block))

@@ -31,7 +31,7 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``bm_out <= 128``.
 
 Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store (1 x 1,024
-blocks: 32 values and two stores, ``row_seg``) per pass, for P consecutive rows (the lanes of a warp store
+and taller 1,024-column blocks: 32 values and two stores, ``row_seg``) per pass, for P consecutive rows (the lanes of a warp store
 contiguous bytes): an 8-entry byte LUT per row (two integer multiply-adds when every value of the row stays a normal
 e4m3 number, ``d_i >= LUT_D_MIN``; else the exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte
 permutes per 4 values (magnitude from the LUT, sign bit moved into place). The block maximum of exponents is taken
@@ -83,24 +83,26 @@ def default_min_blocks(rows: int, bm_out: int, bk_out: int, in_kind: str, seg: i
     """CTAs per SM for ``rows`` rows of ``seg`` values per thread. The tuned tiles (``SEG`` values; H200, PERF-NOTES
     session 19): 2 rows at 6 CTAs for one-row output blocks from fp32 input scales up to 512 columns (39-40 registers
     on sm_90a with three tile buffers; 32 x 32 blocks lost 5 % there; UE8M0 input spills at 40) and 5 otherwise
-    (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104). Else the most CTAs whose
-    register cap holds both tile buffers without spills (sm_90a: 32 x 2 needs 55-64 registers, e.g. 1 x 1,024's
-    ``row_seg`` tile at 4 CTAs; 32 x 4 76 for 1 x 128 and 64 for 2-D blocks)."""
+    (42-48); 4 rows (128 x 128 blocks) 3 (64-68; 5 lost 5 %); 8 rows (64 x 512) 2 (90-104). Else by the 16-value pieces
+    a tile buffer holds per thread, the most CTAs whose register cap holds both buffers without spills on sm_90a and
+    sm_100a: up to 4 pieces 4 CTAs (32 values x 2 rows, the 1,024-column blocks' ``row_seg`` tile: 55-64 registers),
+    8 pieces 3 (32 x 4: 32 x 1,024 blocks spilled 16 bytes at 4, 77-80 at 3), 16 pieces in at most 8 rows 2 (64 x
+    1,024 blocks: 119-128), else 1 (16 rows, 128 x 512 and 128 x 1,024 blocks: 128 x 512 spilled 16-36 bytes at 2).
+    """
     if seg == SEG and rows == 2:
         return 6 if bm_out == 1 and in_kind == "fp32" and bk_out <= 512 else 5
     if seg == SEG and rows in (4, 8):
         return 3 if rows == 4 else 2
     pieces = rows * seg // 16  # 16-value (8-byte) pieces per row buffer
-    if pieces <= 4 or (pieces <= 8 and bm_out > 1):
-        return 4
-    return 3 if pieces <= 8 else 1
+    return 4 if pieces <= 4 else 3 if pieces <= 8 else 2 if pieces <= 16 and rows <= 8 else 1
 
 
-def row_seg(bm_out: int, bk_out: int, seg: int = SEG) -> int:
-    """Values per thread and row: ``seg``, or for one-row output blocks wider than a warp's ``32 * seg`` columns
-    (1 x 1,024) ``bk_out / 32``, so that one warp's butterfly covers the block (with 16 values a 1 x 1,024 block
-    spanned two warps, each taking the maximum of its own 512 columns)."""
-    return max(seg, bk_out // 32) if bm_out == 1 else seg
+def row_seg(bk_out: int, seg: int = SEG) -> int:
+    """Values per thread and row: ``seg``, or for output blocks wider than a warp's ``32 * seg`` columns (1,024)
+    ``bk_out / 32``, so that a block's row is one warp's: with 16 values a 1 x 1,024 block spanned two warps, each
+    taking the maximum of its own 512 columns, and taller 1,024-column blocks left no whole row to a warp at all
+    (zero rows per warp: the kernel could not be built)."""
+    return max(seg, bk_out // 32)
 
 
 def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
@@ -108,7 +110,7 @@ def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
     """(BK, TPR, P): BK columns per tile, TPR threads per row (``row_seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""
-    seg = row_seg(bm_out, bk_out, seg)
+    seg = row_seg(bk_out, seg)
     BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
     TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // threads)
@@ -120,7 +122,7 @@ def num_ctas(t: int, h: int, bm_out: int, bk_out: int, in_kind: str, sms: int) -
     bk, tpr, p = _tile(bm_out, bk_out)
     rows = THREADS // tpr * p  # rows per tile
     return min(ceil_div(h, bk) * ceil_div(t, rows),
-               sms * default_min_blocks(p, bm_out, bk_out, in_kind, row_seg(bm_out, bk_out)))
+               sms * default_min_blocks(p, bm_out, bk_out, in_kind, row_seg(bk_out)))
 
 
 _FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of the e2m1 codes 0..7
@@ -202,7 +204,7 @@ def per_block_cast_lossless_kernel(
     no counter has to be zeroed by another launch; with ``zero_counts`` False only a nonzero count is written
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
-    seg = row_seg(bm_out, bk_out, seg)
+    seg = row_seg(bk_out, seg)
     BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
