@@ -30,14 +30,14 @@ Constraints: ``fmt == 'e4m3'``; logical ``H % 32 == 0``; ``bk_in`` and ``bk_out`
 ``32 <= bk_in <= bk_out <= 1024``; ``bm_in, bm_out`` powers of two, ``bm_out % bm_in == 0``,
 ``bm_out <= 128``.
 
-Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store (1 x 1,024
-and taller 1,024-column blocks: 32 values and two stores, ``row_seg``) per pass, for P consecutive rows (the lanes of a warp store
-contiguous bytes): an 8-entry byte LUT per row (two integer multiply-adds when every value of the row stays a normal
+Kernel: 256 threads; each thread turns 8 bytes of fp4 (16 values of one row) into one 16-byte e4m3 store (1,024-column
+blocks: 32 values and two stores, ``row_seg``) per pass, for P consecutive rows (the lanes of a warp store contiguous
+bytes): an 8-entry byte LUT per row (two integer multiply-adds when every value of the row stays a normal
 e4m3 number, ``d_i >= LUT_D_MIN``; else the exact hardware fp32->e4m3 conversion, two values per F2FP) and two byte
 permutes per 4 values (magnitude from the LUT, sign bit moved into place). The block maximum of exponents is taken
 in-thread over the rows, then with warp shuffles (``bm_out == 1``: one warp per 512-column (1,024) row segment;
 lanes that share an input scale skip their step), and through shared memory (one partial per warp, one barrier per
-tile) only for blocks taller than a warp's rows. A persistent grid (SMs x 3-6 CTAs, ``default_min_blocks``) walks
+tile) only for blocks taller than a warp's rows. A persistent grid (SMs x 1-6 CTAs, ``default_min_blocks``) walks
 the tiles and prefetches the next tile (the next two for 1-row output blocks; data and raw input scales) into
 register buffers while the current one is converted and stored. Index math is int32 per tile. The token count and
 the input SF strides are runtime arguments.
