@@ -77,8 +77,15 @@ def test_vector_aligned_keeps_aligned_views_and_copies_the_rest():
     buf = torch.zeros(64, 72, dtype=torch.bfloat16)
     aligned = buf[:, :64]  # row stride 144 bytes, base aligned
     assert layout.vector_aligned(aligned) is aligned
-    one_row = buf.view(-1).as_strided((1, 64), (67, 1))  # a size-1 dimension's stride is never used
+    one_row = buf.view(-1).as_strided((1, 64), (72, 1))  # a size-1 dimension's stride is never used
     assert layout.vector_aligned(one_row) is one_row
+    # ... but view(dtype) checks it: an odd one becomes the contiguous stride, in a view of the same memory
+    odd = buf.view(-1).as_strided((1, 64), (67, 1))
+    fixed = layout.vector_aligned(odd)
+    assert fixed.data_ptr() == odd.data_ptr() and fixed.stride() == (64, 1) and torch.equal(fixed, odd)
+    assert torch.equal(fixed.view(torch.int32).view(torch.bfloat16), odd)  # odd.view(torch.int32) raises
+    bytes_row = torch.zeros(2, 26, dtype=torch.uint8)[:1, :24]  # one e5m6-sized row of a buffer with 26-byte rows
+    assert layout.vector_aligned(bytes_row, 8).view(torch.int32).shape == (1, 6)
     for bad in (buf.view(-1)[1:4097].view(64, 64), buf[:, 1:65], buf.view(-1)[: 64 * 67].view(64, 67)):
         fixed = layout.vector_aligned(bad)  # misaligned base, or a row stride that is not 16 bytes
         assert fixed is not bad and fixed.is_contiguous() and fixed.data_ptr() % 16 == 0

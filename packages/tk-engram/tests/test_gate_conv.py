@@ -231,7 +231,7 @@ def test_row_layout():
     # the backward's 2-CTA cluster: rows of 4096 < d <= 8192 with 16-byte halves
     assert [d for d in (4096, 4104, 4112, 7168, 8192, 8208, 12288) if K.bwd_split(d) == 2] == [4112, 7168, 8192]
     # the backward's shared memory: the drms_w accumulators leave it above ~7,600 columns, the rings above 10,240
-    assert K.bwd_shared_bytes(7168, 4, 2, False) <= K.MAX_SMEM < K.bwd_shared_bytes(8192, 4, 2, False)
+    assert K.bwd_shared_bytes(7168, 4, 2, False) <= MAX_SMEM_PER_BLOCK < K.bwd_shared_bytes(8192, 4, 2, False)
     assert K.bwd_fits(10240, 4, 2) and not K.bwd_fits(10304, 4, 2)
 
 

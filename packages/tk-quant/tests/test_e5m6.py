@@ -148,6 +148,34 @@ def test_gpu_e5m6_edge_values(t, h, strided, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h", [147456, 163840])
+def test_gpu_e5m6_rows_wider_than_the_staging_memory(h):
+    # one scale per row: the staged words of a row take 221,312 bytes of shared memory at 147,456 columns; wider rows
+    # (245,888 bytes at 163,840, over the 227 KB a CTA may use) take the 8-byte stores instead of a failing launch
+    x = torch.randn(3, h, device=CUDA)
+    data, sf = tk_quant.per_token_cast(x, "e5m6", h)
+    rd, rs = reference.cast_to_e5m6(x, h)
+    assert_equal(data, rd)
+    assert_equal(sf, rs)
+    back = tk_quant.cast_back((data, sf), "fp32", (1, h), "e5m6")
+    assert_equal(back, reference.cast_back_from_e5m6((rd, rs), "fp32", (1, h)))
+
+
+@pytest.mark.gpu
+def test_gpu_e5m6_cast_back_of_one_row_with_an_odd_row_stride():
+    # one row of a byte buffer whose rows are 26 bytes long: the data view's (never stepped) row stride is not a
+    # multiple of 4, which view(torch.int32) used to reject
+    x = torch.randn(2, 16, device=CUDA)
+    data, sf = tk_quant.per_token_cast(x, "e5m6", 16)
+    buf = torch.zeros(2, 26, dtype=torch.uint8, device=CUDA)
+    buf[:, :24] = data
+    row = buf[:1, :24]
+    assert row.stride(0) == 26
+    assert_equal(tk_quant.cast_back((row, sf[:1]), "fp32", (1, 16), "e5m6"),
+                 reference.cast_back_from_e5m6((data[:1], sf[:1]), "fp32", (1, 16)))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", [0, 1, 4001])
 @pytest.mark.parametrize("h", [576, 2048, 7168])
 @pytest.mark.parametrize("col,round_sf,packed", LAYOUTS)

@@ -259,6 +259,18 @@ def test_public_functions_on_cpu_run_the_reference():
     assert calc_diff(back, got[2].float()) < 2e-3
 
 
+@pytest.mark.parametrize("h", [512, 7168, 16384, 32768, 32769, 33792, 100000])
+def test_backward_warps_per_row_fit_one_cta(h):
+    # one CTA per row of at most 32 warps, each taking wgrad_spans(h) 512-column spans; wider rows than 32,768 once
+    # asked for more than 1,024 threads, which no launch accepts
+    spans = R.wgrad_spans(h)
+    warps = -(-h // (512 * spans))
+    assert warps <= 32 and (spans == R.WGRAD_SPANS or -(-h // (512 * (spans - 1))) > 32)
+    grad, act = torch.randn(3, h), torch.randn(3, h)
+    want = (grad.double() * act.double()).sum(1)
+    assert torch.allclose(R.wgrad_dot(grad, act).double(), want, rtol=1e-4, atol=1e-3)
+
+
 def test_backward_empty_gives_zero_weight_grad():
     q = (torch.empty((0, 256), dtype=torch.float8_e4m3fn), torch.empty((0, 8)))
     out, (gq, gs), xg, wg = tk_quant.swiglu_backward_and_per_token_cast(
@@ -462,6 +474,9 @@ BWD_VARIANTS = [  # the anchor shapes get the launcher's tuning per arch (strict
     dict(hidden=7168, group=128, layout="row", round_sf=True, clamp_on=True, tuned=True),
     dict(hidden=1280, group=64, layout="col", round_sf=False, clamp_on=True),
     dict(hidden=1152, group=128, layout="packed", round_sf=True, clamp_on=False),
+    # 8 warps per row: the tuned 4 CTAs per SM lowered to 3 by the register budget (at 4 it spilled 56 bytes)
+    dict(hidden=8192, group=128, layout="row", round_sf=True, clamp_on=False, tuned=True),
+    dict(hidden=8192, group=32, layout="row", round_sf=True, clamp_on=True, tuned=True),
 ]
 CHAN_VARIANTS = [
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=False, **S.CHANNEL_TUNING[32]),
@@ -532,7 +547,7 @@ def test_compile_backward(arch, params):
     assert "__fmaf_rn" in src and "__fmul_rn" in src
     assert "atomic" not in src.lower().replace("tl_templates/cuda/atomic.h", "")
     # the fast divisions in the plain loop only (the preload pipeline has no registers to spare for them)
-    pipelined = params.get("preload", True) and params.get("spans", R.WGRAD_SPANS) > 1
+    pipelined = params.get("preload", True) and (params.get("spans") or R.wgrad_spans(params["hidden"])) > 1
     assert (src.count("tk_rcp_fast(") > 1 and src.count("tk_div_fast(") > 1) != pipelined  # definitions and calls
 
 
@@ -741,6 +756,8 @@ BWD_GPU_CASES = [
     (1280, 64, False, 10.0, (False, False)),
     (1152, 128, True, 0.5, (True, True)),
     (2560, 32, False, None, (True, False)),
+    (8192, 128, True, None, (False, False)),  # 8 warps per row: 3 CTAs per SM (BWD_REGISTERS)
+    (33792, 128, True, 0.5, (False, False)),  # 66 spans: 3 per warp, so the CTA stays within 1,024 threads
 ]
 if full_test():
     BWD_GPU_CASES += [

@@ -12,6 +12,8 @@ token block) in one of three layouts:
   Needs power-of-two scales (``round_sf=True``).
 """
 
+import math
+
 import torch
 
 from .formats import decode_ue8m0, encode_ue8m0, pack_ue8m0, unpack_ue8m0
@@ -40,12 +42,19 @@ def vector_aligned(x: torch.Tensor, nbytes: int = 16) -> torch.Tensor:
     """``x`` itself when kernels may access it in ``nbytes``-byte vectors along its unit-stride last dimension:
     base address and every leading stride (of dimensions longer than 1) multiples of ``nbytes`` bytes.
     Otherwise a fresh contiguous copy. ``contiguous()`` would not do: it keeps a misaligned base address.
-    While ``torch.compile`` traces, tensors have no address; the compiled graph passes fresh buffers."""
+    A dimension of length 1 whose stride is not such a multiple gets the contiguous stride in a view of the same
+    memory (the stride is never stepped, but ``view(dtype)`` to a wider dtype checks it: e.g. one row of a buffer with
+    an odd row length). While ``torch.compile`` traces, tensors have no address; the compiled graph passes fresh
+    buffers."""
     if torch.compiler.is_compiling():
         return x
     size = x.element_size()
-    if x.data_ptr() % nbytes or any(n > 1 and s * size % nbytes for n, s in zip(x.shape[:-1], x.stride()[:-1])):
+    lead = list(zip(x.shape[:-1], x.stride()[:-1]))
+    if x.data_ptr() % nbytes or any(n > 1 and s * size % nbytes for n, s in lead):
         return x.clone(memory_format=torch.contiguous_format)
+    if any(s * size % nbytes for _, s in lead):
+        strides = [s if n > 1 else math.prod(x.shape[i + 1:]) for i, (n, s) in enumerate(zip(x.shape, x.stride()))]
+        return x.as_strided(x.shape, strides)
     return x
 
 

@@ -14,7 +14,7 @@ import math
 import tilelang.language as T
 from tvm import tirx
 
-from tk_core.jit import kernel
+from tk_core.jit import MAX_SMEM_PER_BLOCK, kernel
 from tk_core.layout import ceil_div
 from tk_core.ptx import RCP_FAST, RCP_FAST_BITS, rcp_fast
 
@@ -513,9 +513,6 @@ def load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, c0, taps: int, EV: int):
             cw[p * EV + s * VEC + e] = conv_w[p, c0 + e]
 
 
-MAX_SMEM = 227 * 1024  # shared memory a CTA may use on sm_90 and sm_100
-
-
 def bwd_shared_bytes(d: int, taps: int, vecs: int, with_dconv: bool, acc_shared: bool = True) -> int:
     """Shared memory of the backward: the n ring (taps-1 rows of
     d), the g_u ring (taps float32 rows), the drms_w accumulators (2 float32 rows, if ``acc_shared``), the
@@ -529,7 +526,7 @@ def bwd_shared_bytes(d: int, taps: int, vecs: int, with_dconv: bool, acc_shared:
 def bwd_fits(d: int, taps: int, vecs: int) -> bool:
     """Whether the backward kernel's rings fit in shared memory (bf16/fp16, with the drms_w accumulators moved
     to global memory if need be): up to d = 10,240 at 4 taps. Wider rows run the reference on the GPU."""
-    return bwd_shared_bytes(d, taps, vecs, fuse_dconv(d), acc_shared=False) <= MAX_SMEM
+    return bwd_shared_bytes(d, taps, vecs, fuse_dconv(d), acc_shared=False) <= MAX_SMEM_PER_BLOCK
 
 
 def bwd_layout(d: int, vecs: int) -> tuple[int, int]:
@@ -658,7 +655,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     NPW = 2 + taps if with_dconv else 2
     # Rows wider than ~7,600 (4 taps) leave no room for the drms_w accumulators in shared memory: they then
     # accumulate in the CTA's own row of ``part`` (L2-resident read-modify-writes of its own columns).
-    acc_global = bwd_shared_bytes(DW, taps, vecs, with_dconv) > MAX_SMEM
+    acc_global = bwd_shared_bytes(DW, taps, vecs, with_dconv) > MAX_SMEM_PER_BLOCK
     inv_d = 1.0 / d
     inv_sqrt_d = 1.0 / math.sqrt(d)
     M = T.dynamic("M")

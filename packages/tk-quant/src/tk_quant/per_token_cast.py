@@ -46,7 +46,7 @@ import torch
 
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.formats import int32_bits
-from tk_core.jit import kernel
+from tk_core.jit import MAX_SMEM_PER_BLOCK, kernel
 from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
 
@@ -191,8 +191,10 @@ def per_token_cast_kernel(
     assert not fake or (fmt != "e5m6" and not quant_in)
     # e5m6 rows: a lane's 6 words (24 B) go through shared memory so the warp stores its 768 B as 16-byte
     # chunks, lane l on chunk l (coalesced); 8-byte stores at a 24-byte lane stride cost 3x the store sectors.
-    # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks.
-    stage = stage and row_mode and fmt == "e5m6" and write_data and hidden % 32 == 0
+    # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks, and rows
+    # whose staged words fit in a CTA's shared memory (H < 147,488: wider rows take the 8-byte stores).
+    stage = (stage and row_mode and fmt == "e5m6" and write_data and hidden % 32 == 0
+             and 4 * r * w * (npt * 32 * vout + 1) <= MAX_SMEM_PER_BLOCK)
     assert not (stochastic and fmt == "e5m6")
     prelude = (_F16X2_RZ if fmt == "e5m6" else "") + (_tl.ROUND_STOCHASTIC if stochastic else "") or None
 

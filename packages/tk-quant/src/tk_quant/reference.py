@@ -332,18 +332,26 @@ def swiglu_forward(x, pos_to_token_topk=None, topk_weights=None, swiglu_clamp_va
     return act if w is None else act * w[:, None]
 
 
-# Spans of 512 columns per warp in the backward kernel: a row is split over ceil(H / (512 * WGRAD_SPANS)) warps
-# of one CTA, which fixes the summation order of ``wgrad_dot``.
+# Spans of 512 columns per warp in the backward kernel: a row is split over ceil(H / (512 * spans)) warps of one
+# CTA, which fixes the summation order of ``wgrad_dot``.
 WGRAD_SPANS = 2
 
 
-def wgrad_dot(grad: torch.Tensor, act: torch.Tensor, spans: int = WGRAD_SPANS) -> torch.Tensor:
+def wgrad_spans(h: int) -> int:
+    """Spans per warp of the backward kernel for rows of ``h`` columns: ``WGRAD_SPANS``, or more where a row
+    would need more than 32 warps (a CTA has at most 1,024 threads; ``h > 32,768``)."""
+    spans_per_row = -(-h // 512)
+    return max(WGRAD_SPANS, -(-spans_per_row // 32))
+
+
+def wgrad_dot(grad: torch.Tensor, act: torch.Tensor, spans: int = 0) -> torch.Tensor:
     """Per-row ``sum_j fl(grad[p, j] * act[p, j])`` in the kernel's order: warp ``w`` owns the ``spans``
     512-column spans ``w*spans .. w*spans + spans - 1``; its lane ``l`` owns columns ``it*512 + c*256 + l*8 + i``
     (c in {0, 1}, i in 0..7) and adds their products one by one in (it, c, i) order starting from +0; then
     ``v += shfl_xor(v, o)`` for o = 16, 8, 4, 2, 1; the row's sum is ``((s_0 + s_1) + s_2) + ...`` over the
-    warps' sums. float32 ``(E,)``."""
+    warps' sums. float32 ``(E,)``. ``spans`` 0: the kernel's, ``wgrad_spans(H)``."""
     e, h = grad.shape
+    spans = spans or wgrad_spans(h)
     prod = grad.float() * act.float()
     warps = -(-h // (512 * spans))
     prod = torch.nn.functional.pad(prod, (0, warps * spans * 512 - h))

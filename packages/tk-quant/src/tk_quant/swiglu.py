@@ -45,7 +45,7 @@ zeros). CPU tensors run ``tk_quant.reference``.
 
 Kernels: the per-token kernels give each warp 256-column chunks of one row (forward: ``fwd_token_chunks(H)``
 consecutive chunks per warp, all loaded before the math, or the whole row with one scale per row; backward:
-one CTA per row, ``reference.WGRAD_SPANS`` spans of two chunks per warp); each lane owns 8 consecutive
+one CTA per row, ``reference.wgrad_spans(H)`` spans of two chunks per warp); each lane owns 8 consecutive
 columns of every chunk (16-byte bf16 loads, 8-byte e4m3 stores); the group amax is a xor-shuffle reduction
 over the ``bk/8`` lanes of a group. The divisions take ``tk_core.ptx``'s fast paths (the IEEE results, without
 the per-division range check) for every 8-column chunk whose values lie in their range: the forwards and the
@@ -86,7 +86,7 @@ from tk_core.ptx import (
 
 from . import _tl
 from .per_block_cast import alloc_sf_storage
-from .reference import WGRAD_SPANS
+from .reference import wgrad_spans
 
 E4M3_MAX = 448.0
 # Lane l of a warp owns columns it*SPAN + c*256 + l*8 + i (c < U, i < VEC) of its spans it; the backward's
@@ -652,20 +652,24 @@ def swiglu_bwd_token_kernel(
     layout: str,
     round_sf: bool,
     clamp_on: bool,
-    spans: int = WGRAD_SPANS,
+    spans: int = 0,
     min_blocks: int = 1,
     preload: bool = True,
 ):
-    """One CTA per row, one warp per ``spans`` consecutive 512-column spans (short-lived CTAs: no per-row wave
-    tail); the warps' weight-grad sums are added in warp order through shared memory (``reference.wgrad_dot``
-    with the same ``spans``)."""
+    """One CTA per row, one warp per ``spans`` consecutive 512-column spans (0: ``reference.wgrad_spans``;
+    short-lived CTAs: no per-row wave tail); the warps' weight-grad sums are added in warp order through shared
+    memory (``reference.wgrad_dot`` with the same ``spans``). ``min_blocks`` is lowered where the CTA's threads
+    would leave fewer than ``BWD_REGISTERS`` registers each (rows wider than 7,168 columns at 4 CTAs per SM: at 8,192
+    the 64-register cap of 4 CTAs spilled 56 bytes)."""
     H = hidden
     E = T.dynamic("num_rows")
     n_w = T.dynamic("n_w")
     sf_len = T.dynamic("sf_len")
     nk = 2 * H // group
     iters = ceil_div(H, SPAN)
+    spans = spans or wgrad_spans(H)
     warps = ceil_div(iters, spans)
+    min_blocks = max(1, min(min_blocks, 65536 // (BWD_REGISTERS * warps * 32)))
     ragged = H != warps * spans * SPAN
     # preload: a software pipeline over the warp's spans (double-buffered registers, unrolled) that issues span
     # j+1's loads before span j's math; nvcc does not hoist them over the stores by itself. Same math and order.
@@ -844,6 +848,10 @@ MIN_BLOCKS = 2
 # Launcher choices measured on the H200 (benchmarks/sweep_swiglu.py). Channel, bm=32: 128 threads and 6 CTAs
 # per SM (58 registers) beat 256 x 2 by ~5%; bm=128 keeps 256 x 2 (94 registers).
 CHANNEL_TUNING = {32: dict(threads=128, min_blocks=6), 128: dict(threads=THREADS, min_blocks=MIN_BLOCKS)}
+
+
+# Registers per thread the backward's loops need without spills (sm_90a, both loops; ``bwd_tuning``).
+BWD_REGISTERS = 72
 
 
 def bwd_tuning(arch: str, clamp_on: bool) -> dict:

@@ -1,10 +1,7 @@
 """The compile tier: a kernel variant lowers and compiles for an arch with no GPU present, without
 register spills, and within the SM's shared memory."""
 
-from ..jit import KernelFactory
-
-# Usable shared memory per block (bytes) on sm_90 and sm_100.
-MAX_SMEM_PER_BLOCK = 227 * 1024
+from ..jit import MAX_SMEM_PER_BLOCK, KernelFactory
 
 
 def dynamic_smem_bytes(factory: KernelFactory, arch: str, compiled=None, **params) -> int:
