@@ -532,7 +532,9 @@ DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.b
                 (13, 2048, 7168, 4, 3, torch.bfloat16), (16, 520, 1088, 4, 2, torch.bfloat16),
                 (3, 24, 200, 4, 1, torch.bfloat16), (33, 1024, 4096, 4, 3, torch.bfloat16),
                 (33, 1024, 7168, 4, 2, torch.bfloat16),
-                (70, 512, 7168, 4, 3, torch.bfloat16)]
+                (70, 512, 7168, 4, 3, torch.bfloat16),
+                # 53 taps: the GEMV kernel's epilogue operands would overflow shared memory, so the fused path
+                (2, 64, 200, 53, 1, torch.bfloat16), (2, 64, 200, 52, 1, torch.bfloat16)]
 
 
 def _decode_inputs(B, d_mem, d, taps, dtype):
@@ -542,6 +544,56 @@ def _decode_inputs(B, d_mem, d, taps, dtype):
     WV = (torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dtype)
     _, _, _, wh, wv, cw = _inputs(1, 1, d, taps, dtype, "cuda")
     return e, h, WK, WV, wh, wv, cw
+
+
+def test_decode_plan_keeps_the_gemv_kernel_within_shared_memory():
+    from tk_engram import decode
+
+    assert decode.decode_plan(2, 64, 200, taps=52)[0] == "gemv"
+    assert decode.decode_plan(2, 64, 200, taps=53)[0] != "gemv"
+    assert decode._gemv_epilogue(1, 4, 52)[2] <= MAX_SMEM_PER_BLOCK < decode._gemv_epilogue(1, 4, 53)[2]
+    parts, _ = decode.decode_scratch(2, 64, 200, "cpu", taps=53)
+    assert parts.numel() > 1  # the fused path's partials, not the GEMV kernel's none
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,taps", [(4096, 4), (7168, 4), (38400, 4), (38408, 4), (4096, 29), (4096, 30)])
+def test_forward_shared_memory_plan_is_the_kernels(d, taps):
+    # fwd_fits decides between the kernel and the reference on the GPU: its byte count is the kernel's allocation
+    from tk_engram.gate_conv import FWD_PARAMS
+
+    params = dict(dtype="bfloat16", d=d, taps=taps, dilation=1, **FWD_PARAMS)
+    smem = dynamic_smem_bytes(K.gate_conv_fwd_kernel, "sm_90a", **params)
+    assert K.fwd_shared_bytes(d, taps) == smem
+    assert K.fwd_fits(d, taps) == (smem <= MAX_SMEM_PER_BLOCK)
+
+
+def test_grid_limits_are_input_errors():
+    from tk_engram.hash import engram_hash
+
+    H, k, v, wh, wv, cw = _inputs(1, 8, 64, 1, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="dilation must be at most 65535"):
+        engram_gate_conv_fwd(H, k, v, wh, wv, cw, dilation=70000)
+    B = 65536
+    h = torch.zeros(B, 8)
+    with pytest.raises(ValueError, match="at most 65535 rows"):
+        engram_decode_step(torch.zeros(B, 8), h, torch.zeros(B, 4, 8), torch.zeros(B, dtype=torch.int32),
+                                  torch.zeros(8, 8), torch.zeros(8, 8), torch.ones(8), torch.ones(8), torch.ones(4, 8))
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 65535 layers"):
+        engram_hash(ids, torch.ones(65536, 2, dtype=torch.int64), torch.ones(65536, 1, 1, dtype=torch.int32),
+                    torch.zeros(65536, 1, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,taps", [(4096, 30), (38408, 4)])
+def test_gpu_forward_beyond_shared_memory_runs_the_reference(d, taps):
+    H, k, v, wh, wv, cw = _inputs(1, 40, d, taps, torch.bfloat16, "cuda")
+    got = engram_gate_conv_fwd(H, k, v, wh, wv, cw)
+    want = reference.gate_conv_fwd_ref(H.cpu(), k.cpu(), v.cpu(), wh.cpu(), wv.cpu(), cw.cpu(), 1, 1e-6)
+    for a, b in zip(got, want, strict=True):
+        assert a.is_cuda
+        torch.testing.assert_close(a.cpu().float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu

@@ -188,6 +188,21 @@ def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> 
     return fw, ring32
 
 
+def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> int:
+    """Shared memory of the forward: the n ring (taps-1 rows, bf16 or float32 by ``fwd_smem_plan``), the float32
+    weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch (1 KB)."""
+    slots, threads = fwd_layout(d, vecs)
+    DP = slots * threads * VEC
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
+    return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * 4 + 1024
+
+
+def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> bool:
+    """Whether the forward's n ring and weight rows fit in a CTA's shared memory: at 4 taps up to d = 38,400 (the
+    plan's optional rows shrink to none; the ring does not). Wider rows or more taps run the reference on the GPU."""
+    return fwd_shared_bytes(d, taps, vecs, budget) <= MAX_SMEM_PER_BLOCK
+
+
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
                          min_blocks: int = 2, budget: int = 74 * 1024, planes: bool = True):

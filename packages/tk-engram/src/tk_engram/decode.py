@@ -44,7 +44,7 @@ import torch
 from tvm import tirx
 
 from tk_core import checks, config
-from tk_core.jit import kernel
+from tk_core.jit import MAX_SMEM_PER_BLOCK, kernel
 from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
@@ -589,6 +589,16 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     return dict(mt=1, nw=4, depth=8, min_blocks=2)
 
 
+def _gemv_epilogue(mt: int, nw: int, taps: int) -> tuple[int, int, int]:
+    """(items, EPW, shared bytes) of ``decode_gemv_kernel``: (row, 16-byte column vector) items per thread, the
+    epilogue operands per thread in elements (h, w_h / w_v, the taps, the lagged cache slots), and the shared memory
+    of the reduction tile (float32) and the 16-bit epilogue operands."""
+    threads, nv = 32 * nw, GEMV_PANEL // VEC
+    items = ceil_div(16 * mt * nv, threads)
+    epw = VEC * max(1 + items, 1 + taps + items * (taps - 1))
+    return items, epw, nw * 16 * mt * (GEMV_PANEL + 4) * 4 + threads * epw * 2
+
+
 def _static(n: int) -> tuple:
     """A loop unrolled while the kernel is built (plain ``range`` would become a TIR loop)."""
     return tuple(range(n))
@@ -697,11 +707,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     cols_pred = d % GEMV_PANEL != 0
     MR = 16 * mt  # batch rows per CTA
     nv = GEMV_PANEL // VEC
-    items = ceil_div(MR * nv, threads)  # (row, 16-byte column vector) items per thread
+    items, EPW, _ = _gemv_epilogue(mt, nw, taps)  # (row, 16-byte column vector) items per thread; operands
     rstep = threads // nv
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
-    EPW = VEC * max(1 + items, 1 + taps + items * R)  # epilogue operands per thread (elements)
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -961,8 +970,9 @@ TWO_LAUNCH_MIN_BATCH = 32
 TWO_LAUNCH_MAX_D = 4096
 
 
-def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS) -> tuple[str, dict]:
-    """(path, tuning) of a decode step: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH`` rows; ("two_launch",
+def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> tuple[str, dict]:
+    """(path, tuning) of a decode step with ``taps`` conv taps: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH``
+    rows while its epilogue operands fit in shared memory (up to 52 taps); ("two_launch",
     ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
     ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
     ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
@@ -970,7 +980,8 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS) -> tuple[str, dict]
     if B <= GEMV_MAX_BATCH:
         cfg = gemv_config(B, d_mem, d)
         tiles = ceil_div(B, 16 * cfg["mt"])
-        if _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
+        fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps)[2] <= MAX_SMEM_PER_BLOCK
+        if fits and _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
             return "gemv", cfg
     if B >= TWO_LAUNCH_MIN_BATCH and d <= TWO_LAUNCH_MAX_D:
         return "two_launch", proj_config(B, d_mem, d)
@@ -980,11 +991,11 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS) -> tuple[str, dict]
     return "two_launch", proj_config(B, d_mem, d)
 
 
-def decode_scratch(B: int, d_mem: int, d: int, device, path: str | None = None):
+def decode_scratch(B: int, d_mem: int, d: int, device, path: str | None = None, taps: int = 4):
     """The float32 partials (none for the GEMV kernel) and row-sum scratch (contents irrelevant) that
-    ``_decode_dev`` needs on ``path`` (default: ``decode_plan``'s)."""
+    ``_decode_dev`` needs on ``path`` (default: ``decode_plan``'s for ``taps``)."""
     if path is None:
-        path = decode_plan(B, d_mem, d)[0]
+        path = decode_plan(B, d_mem, d, taps=taps)[0]
     if path == "gemv":
         parts, sums = (0,), (B, ceil_div(d, GEMV_PANEL), 4)
     elif path == "fused":
@@ -1004,8 +1015,8 @@ def _decode_dev(
     dt = _TL_DTYPES[h_t.dtype]
     (B, d), d_mem = h_t.shape, e_t.shape[1]
     taps = conv_w.shape[0]
-    path, cfg = decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(h_t.device.index)))
-    if path != decode_plan(B, d_mem, d)[0]:  # a smaller GPU: another path, with its own scratch
+    path, cfg = decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(h_t.device.index)), taps)
+    if path != decode_plan(B, d_mem, d, taps=taps)[0]:  # a smaller GPU: another path, with its own scratch
         part, sums = decode_scratch(B, d_mem, d, h_t.device, path)
     if path == "gemv":
         gemv = decode_gemv_kernel.get(h_t.device, dtype=dt, d_mem=d_mem, d=d, taps=taps, dilation=dilation, **cfg)
@@ -1040,6 +1051,8 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     checks.check_dtype(op, "h_t", h_t, allowed)
     checks.check_ndim(op, "h_t", h_t, 2)
     B, d = h_t.shape
+    if B > 65535:  # the grid's y dimension of the two-launch path
+        checks.fail(op, "h_t", "at most 65535 rows (dimension 0)", f"shape {tuple(h_t.shape)}")
     checks.check_dtype(op, "e_t", e_t, (h_t.dtype,))
     checks.check_ndim(op, "e_t", e_t, 2)
     checks.check_shape(op, "e_t", e_t, (B, None))
@@ -1073,7 +1086,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     y = torch.empty((B, d), dtype=h_t.dtype, device=h_t.device)
     if B == 0:
         return y
-    part, sums = decode_scratch(B, d_mem, d, h_t.device)
+    part, sums = decode_scratch(B, d_mem, d, h_t.device, taps=conv_w.shape[0])
     _decode_dev(_aligned(e_t), _aligned(h_t), conv_state, _aligned(cache_pos), _aligned(W_K), _aligned(W_V),
                 _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w), part, sums, y, dilation, float(eps))
     return y

@@ -40,7 +40,8 @@ backward at 4096 < d <= 8192) comes from the hardware's approximate exp2 and rec
 reproducible.
 Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch for the other rows wider than 4096) +
 fixed-order sums. The backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the
-reference on the GPU (same outputs to the test tolerances, deterministic, slower).
+reference on the GPU (same outputs to the test tolerances, deterministic, slower); so does the forward above d =
+38,400 at 4 taps, or from 30 taps at d = 4096 (``fwd_fits``: its n ring of taps - 1 rows).
 Runtime (no recompile): M, T, eps. Compile-time: dtype, d, w, dilation.
 
 Roofline bytes (e = element size, N = M*T tokens; the benchmark's ``bytes``):
@@ -61,6 +62,7 @@ from ._gate_conv_kernels import (
     bwd_fits,
     bwd_split,
     fuse_dconv,
+    fwd_fits,
     gate_conv_bwd_kernel,
     gate_conv_dconv_kernel,
     gate_conv_fwd_kernel,
@@ -142,6 +144,8 @@ def _num_parts(M: int, T: int, dilation: int, chunk: int = CHUNK) -> int:
 def _check_params(op: str, taps: int, dilation: int, eps: float) -> None:
     checks.check_positive_int(op, "conv_kernel_size", taps)
     checks.check_positive_int(op, "dilation", dilation)
+    if dilation > 65535:  # the grid's y dimension
+        checks.fail(op, "dilation", "at most 65535", dilation)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
         checks.fail(op, "eps", "a float >= 0", repr(eps))
 
@@ -207,6 +211,8 @@ def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1
     if not H.is_cuda:
         return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
     taps = conv_w.shape[0]
+    if not fwd_fits(d, taps):  # the n ring of taps - 1 rows would not fit in shared memory
+        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
     hist = dilation * (taps - 1)
     dev = H.device
     y = torch.empty((M, T, d), dtype=H.dtype, device=dev)
