@@ -67,3 +67,11 @@ def test_config_rejects_bad_values(clean_config):
         config.set_amax_clamp("e4m3", 0.0)
     with pytest.raises(ValueError, match="num_sms must be a positive int or None"):
         config.set_num_sms(0)
+
+
+def test_check_grid_extent():
+    checks.check_grid_extent("op", "dilation", 65535)
+    with pytest.raises(ValueError, match="op: dilation must be at most 65535, got 65536"):
+        checks.check_grid_extent("op", "dilation", 65536)
+    with pytest.raises(ValueError, match="x must be at most 65535 rows, got shape"):
+        checks.check_grid_extent("op", "x", 70000, "rows", "shape (70000, 8)")

@@ -140,3 +140,9 @@ def test_benchmark_fixture(gpu_benchmark, impl):
     info = gpu_benchmark(lambda: fn(x, 2.0), kernel="scale_rows", impl=impl, bytes=count_bytes(x, y),
                          num_tokens=8001, hidden=7168)
     assert info["gbps"] > 0 and info["copy_gbps"] > 1000 and info["eager_us"] > 0
+
+
+def test_blocks_per_sm():
+    # 65,536 registers, 2,048 threads and 32 CTAs per SM; never below one CTA
+    assert jit.blocks_per_sm(224, 72) == 4 and jit.blocks_per_sm(256, 72) == 3
+    assert jit.blocks_per_sm(256, 16) == 8 and jit.blocks_per_sm(32, 16) == 32 and jit.blocks_per_sm(1024, 255) == 1

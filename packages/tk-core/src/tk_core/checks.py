@@ -68,6 +68,16 @@ def check_one_of(op: str, arg: str, value, choices: Iterable) -> None:
         fail(op, arg, f"one of {choices}", repr(value))
 
 
+MAX_GRID_YZ = 65535  # CTAs along a grid's y or z dimension
+
+
+def check_grid_extent(op: str, arg: str, value: int, unit: str = "", got=None) -> None:
+    """A size that becomes a grid's y or z dimension: at most ``MAX_GRID_YZ`` (``unit`` names what is counted,
+    ``got`` what the message shows; default the value)."""
+    if value > MAX_GRID_YZ:
+        fail(op, arg, f"at most {MAX_GRID_YZ}" + (f" {unit}" if unit else ""), value if got is None else got)
+
+
 def check_positive_int(op: str, arg: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         fail(op, arg, "a positive int", repr(value), TypeError if not isinstance(value, int) else ValueError)

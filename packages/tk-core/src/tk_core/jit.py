@@ -28,6 +28,13 @@ import torch
 ARCHS = ("sm_90a", "sm_100a")
 # Shared memory one CTA may use (bytes) on sm_90 and sm_100; a launch asking for more fails.
 MAX_SMEM_PER_BLOCK = 227 * 1024
+
+
+def blocks_per_sm(threads: int, regs: int) -> int:
+    """CTAs of ``threads`` threads an SM holds when each thread may use ``regs`` registers (65,536 registers, at
+    most 2,048 threads and 32 CTAs per SM on sm_90 and sm_100); at least 1."""
+    return max(1, min(65536 // (threads * regs), 2048 // threads, 32))
+
 # Register spills become compile errors in strict mode (the compile tier).
 STRICT_FLAGS = ("-Xptxas=--warn-on-spills", "-Xptxas=--warning-as-error")
 _PRINT_SOURCE = os.environ.get("TK_PRINT_KERNEL_SOURCE", "0") not in ("", "0")

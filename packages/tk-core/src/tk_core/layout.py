@@ -49,10 +49,10 @@ def vector_aligned(x: torch.Tensor, nbytes: int = 16) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return x
     size = x.element_size()
-    lead = list(zip(x.shape[:-1], x.stride()[:-1]))
-    if x.data_ptr() % nbytes or any(n > 1 and s * size % nbytes for n, s in lead):
+    odd = [n > 1 for n, s in zip(x.shape[:-1], x.stride()[:-1]) if s * size % nbytes]  # unaligned leading strides
+    if x.data_ptr() % nbytes or any(odd):
         return x.clone(memory_format=torch.contiguous_format)
-    if any(s * size % nbytes for _, s in lead):
+    if odd:  # only length-1 dimensions
         strides = [s if n > 1 else math.prod(x.shape[i + 1:]) for i, (n, s) in enumerate(zip(x.shape, x.stride()))]
         return x.as_strided(x.shape, strides)
     return x

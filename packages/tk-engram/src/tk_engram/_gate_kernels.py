@@ -14,7 +14,7 @@ row strides divided by 8, so the vector alignment is provable and no stride is b
 
 import tilelang.language as T
 
-from tk_core.jit import kernel
+from tk_core.jit import blocks_per_sm, kernel
 from tk_core.ptx import CP_ASYNC, ST_GLOBAL_V4, cp_async16, cp_async_wait_all
 
 VEC = 8  # bf16 elements per 16-byte vector
@@ -36,11 +36,6 @@ def threads_for(hidden: int) -> int:
     return 32 * max(1, warps)
 
 
-def _blocks_per_sm(threads: int, regs: int) -> int:
-    """CTAs per SM when each thread may use ``regs`` registers (at most 2048 threads and 32 CTAs per SM)."""
-    return max(1, min(65536 // (threads * regs), 2048 // threads, 32))
-
-
 def fwd_blocks_per_sm(hidden: int, threads: int | None = None) -> int:
     """Resident CTAs the forward is register-budgeted for: 96 registers with at most 4 vectors per thread (x and
     k take 32; v is staged in shared memory), i.e. 3 CTAs x 7 warps at H = 7168 (measured on the H200: 3,934
@@ -48,15 +43,15 @@ def fwd_blocks_per_sm(hidden: int, threads: int | None = None) -> int:
     another's reduction (14-warp CTAs at H = 14336 get 72 registers); 128 with more vectors."""
     threads = threads or threads_for(hidden)
     if -(-hidden // (VEC * threads)) > VECS_PER_THREAD:
-        return _blocks_per_sm(threads, 128)
-    return max(2, _blocks_per_sm(threads, 96))
+        return blocks_per_sm(threads, 128)
+    return max(2, blocks_per_sm(threads, 96))
 
 
 def bwd_blocks_per_sm(hidden: int, threads: int | None = None) -> int:
     """Resident CTAs the backward is register-budgeted for: 144 registers with at most 4 vectors per thread (the
     weight-gradient accumulators take 32, G and v 32, the other streams' G rows 16), 255 with more."""
     threads = threads or threads_for(hidden)
-    return _blocks_per_sm(threads, 144 if -(-hidden // (VEC * threads)) <= VECS_PER_THREAD else 255)
+    return blocks_per_sm(threads, 144 if -(-hidden // (VEC * threads)) <= VECS_PER_THREAD else 255)
 
 
 def bwd_xk_late(hidden: int, threads: int | None = None) -> bool:

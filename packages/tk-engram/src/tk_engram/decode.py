@@ -1051,8 +1051,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     checks.check_dtype(op, "h_t", h_t, allowed)
     checks.check_ndim(op, "h_t", h_t, 2)
     B, d = h_t.shape
-    if B > 65535:  # the grid's y dimension of the two-launch path
-        checks.fail(op, "h_t", "at most 65535 rows (dimension 0)", f"shape {tuple(h_t.shape)}")
+    checks.check_grid_extent(op, "h_t", B, "rows (dimension 0)", f"shape {tuple(h_t.shape)}")
     checks.check_dtype(op, "e_t", e_t, (h_t.dtype,))
     checks.check_ndim(op, "e_t", e_t, 2)
     checks.check_shape(op, "e_t", e_t, (B, None))

@@ -144,8 +144,7 @@ def _num_parts(M: int, T: int, dilation: int, chunk: int = CHUNK) -> int:
 def _check_params(op: str, taps: int, dilation: int, eps: float) -> None:
     checks.check_positive_int(op, "conv_kernel_size", taps)
     checks.check_positive_int(op, "dilation", dilation)
-    if dilation > 65535:  # the grid's y dimension
-        checks.fail(op, "dilation", "at most 65535", dilation)
+    checks.check_grid_extent(op, "dilation", dilation)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
         checks.fail(op, "eps", "a float >= 0", repr(eps))
 
@@ -176,8 +175,7 @@ def _check_inputs(op: str, names, seqs, weights, conv_w):
         checks.fail(op, "conv_w", "of shape (w >= 1, d)", f"shape {tuple(conv_w.shape)}")
     if x0.is_cuda:
         checks.check_divisible(op, "d (the last dimension of H)", d, 8)
-        if M > 65535:  # the grid's z dimension
-            checks.fail(op, names[0], "at most 65535 sequences (dimension 0)", f"shape {tuple(x0.shape)}")
+        checks.check_grid_extent(op, names[0], M, "sequences (dimension 0)", f"shape {tuple(x0.shape)}")
     return M, T, d
 
 
@@ -211,7 +209,7 @@ def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1
     if not H.is_cuda:
         return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
     taps = conv_w.shape[0]
-    if not fwd_fits(d, taps):  # the n ring of taps - 1 rows would not fit in shared memory
+    if not fwd_fits(d, taps, FWD_PARAMS["vecs"]):  # the n ring of taps - 1 rows would not fit in shared memory
         return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
     hist = dilation * (taps - 1)
     dev = H.device

@@ -136,8 +136,7 @@ def _check(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask=
     checks.check_ndim(OP, "multipliers", multipliers, 2)
     L = multipliers.shape[0]
     checks.check_shape(OP, "multipliers", multipliers, (L, N))
-    if L > 65535:  # the grid's y dimension
-        checks.fail(OP, "multipliers", "at most 65535 layers (dimension 0)", f"shape {tuple(multipliers.shape)}")
+    checks.check_grid_extent(OP, "multipliers", L, "layers (dimension 0)", f"shape {tuple(multipliers.shape)}")
     checks.check_ndim(OP, "vocab_sizes", vocab_sizes, 3)
     J = vocab_sizes.shape[2]
     checks.check_shape(OP, "vocab_sizes", vocab_sizes, (L, N - 1, J))

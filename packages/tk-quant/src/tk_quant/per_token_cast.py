@@ -46,7 +46,7 @@ import torch
 
 from tk_core.checks import check_dtype, check_ndim, fail
 from tk_core.formats import int32_bits
-from tk_core.jit import MAX_SMEM_PER_BLOCK, kernel
+from tk_core.jit import MAX_SMEM_PER_BLOCK, blocks_per_sm, kernel
 from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
 from tk_core.library import device_op
 
@@ -193,8 +193,9 @@ def per_token_cast_kernel(
     # chunks, lane l on chunk l (coalesced); 8-byte stores at a 24-byte lane stride cost 3x the store sectors.
     # Needs 16-byte aligned rows (H % 32 == 0), which also makes every warp's valid words whole chunks, and rows
     # whose staged words fit in a CTA's shared memory (H < 147,488: wider rows take the 8-byte stores).
+    stage_words = r * w * (npt * 32 * vout + 1) if row_mode else 0  # the staged words, then one amax per warp
     stage = (stage and row_mode and fmt == "e5m6" and write_data and hidden % 32 == 0
-             and 4 * r * w * (npt * 32 * vout + 1) <= MAX_SMEM_PER_BLOCK)
+             and 4 * stage_words <= MAX_SMEM_PER_BLOCK)
     assert not (stochastic and fmt == "e5m6")
     prelude = (_F16X2_RZ if fmt == "e5m6" else "") + (_tl.ROUND_STOCHASTIC if stochastic else "") or None
 
@@ -226,7 +227,7 @@ def per_token_cast_kernel(
             if stage:
                 # at most 56 registers (5 CTAs of 224 threads per SM, 35 warps, no spills): more rows in flight to
                 # overlap one CTA's load -> amax -> encode -> store phases with another's; left alone: 74 (3 CTAs)
-                T.annotate_min_blocks_per_sm(min_blocks or max(1, 65536 // (56 * threads)))
+                T.annotate_min_blocks_per_sm(min_blocks or blocks_per_sm(threads, 56))
             tx = T.get_thread_binding()
             xr = T.alloc_local((npt, vin), in_dtype)
             xv = T.alloc_local((npt, V), "float32")
@@ -238,7 +239,7 @@ def per_token_cast_kernel(
                 if stage:
                     # one buffer: each warp's staged words, then the cross-warp amax (float bits). As two buffers
                     # TileLang may overlap them, and a fast warp's staging would race a slow warp's amax reads.
-                    st = T.alloc_shared((r * w * (npt * 32 * vout + 1),), "int32")
+                    st = T.alloc_shared((stage_words,), "int32")
                 else:
                     red = T.alloc_shared((r * w,), "float32")
                 lane = tx % (32 * w)

@@ -66,7 +66,7 @@ import torch
 
 from tk_core import checks
 from tk_core.config import get_amax_clamp
-from tk_core.jit import arch_of, kernel
+from tk_core.jit import arch_of, blocks_per_sm, kernel
 from tk_core.layout import align, ceil_div, sf_layout
 from tk_core.library import device_op
 from tk_core.ptx import (
@@ -669,7 +669,7 @@ def swiglu_bwd_token_kernel(
     iters = ceil_div(H, SPAN)
     spans = spans or wgrad_spans(H)
     warps = ceil_div(iters, spans)
-    min_blocks = max(1, min(min_blocks, 65536 // (BWD_REGISTERS * warps * 32)))
+    min_blocks = min(min_blocks, blocks_per_sm(warps * 32, BWD_REGISTERS))
     ragged = H != warps * spans * SPAN
     # preload: a software pipeline over the warp's spans (double-buffered registers, unrolled) that issues span
     # j+1's loads before span j's math; nvcc does not hoist them over the stores by itself. Same math and order.
