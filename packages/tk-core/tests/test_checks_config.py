@@ -46,7 +46,8 @@ def clean_config():
 
 
 def test_config_getters_setters_and_reset(clean_config):
-    config.set_pdl(True)
+    with pytest.warns(UserWarning, match="set_pdl.True. has no effect"):
+        config.set_pdl(True)
     config.set_token_alignment(64)
     config.set_deterministic(False)
     config.set_amax_clamp("e4m3", 1e-3)

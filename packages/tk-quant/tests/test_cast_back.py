@@ -140,6 +140,22 @@ def test_gpu_cast_back_blocks(t, h, block, round_sf, out_fmt):
 
 
 @pytest.mark.gpu
+def test_gpu_more_than_2_31_elements():
+    """A cast and its cast back over more than 2**31 elements (299,594 x 7,168). Both kernels take the output as a
+    flat view, whose length TileLang's host code reads as int32 (it wraps and is only checked there; the device
+    indices are 64-bit). Rows are independent, so the reference runs on the last rows only."""
+    t, h = 2**31 // 7168 + 2, 7168
+    x = torch.randn(t, h, device=CUDA, dtype=torch.bfloat16)
+    d, s = tk_quant.per_token_cast(x, "e4m3", 128)
+    tail = slice(t - 64, t)
+    ref_d, ref_s = reference.cast(x[tail], "e4m3", (1, 128))
+    assert_equal(d[tail], ref_d)
+    assert_equal(s[tail], ref_s)
+    y = tk_quant.per_token_cast_back((d, s), "bf16", 128)
+    assert_equal(y[tail], reference.cast_back((ref_d, ref_s), "bf16", (1, 128)))
+
+
+@pytest.mark.gpu
 def test_gpu_strided_data_and_e4m3_sf():
     x = torch.randn(1000, 4096, device=CUDA, dtype=torch.bfloat16)
     d, s = reference.cast(x, "e2m1", (1, 16), use_e4m3_sf=True)

@@ -120,6 +120,16 @@ def test_precomputed_sf_validation():
         per_block_cast_with_precomputed_sf(x, "e4m3", (32, 32), torch.ones(2, 2), use_tma_aligned_col_major_sf=True)
 
 
+def test_launch_takes_the_linear_grid_past_65535_row_blocks():
+    """A 2-D grid's y extent (the row blocks) stops at 65,535; past it the launch takes ``linear_grid``."""
+    from tk_quant.per_block_cast import _params
+
+    for bm in (32, 128):
+        for t, linear in ((65535 * bm, False), (65535 * bm + 1, True)):
+            x = torch.empty(t, 64, dtype=torch.bfloat16, device="meta")
+            assert _params(x, "e4m3", bm, 128, "row", True, "cast").get("linear_grid", False) is linear
+
+
 # --- compile tier -------------------------------------------------------------------------------------
 
 COMPILE_VARIANTS = [
@@ -128,6 +138,8 @@ COMPILE_VARIANTS = [
     dict(in_dtype="float32", fmt="e2m1", hidden=576, bm=32, bk=128, layout="col", round_sf=False, mode="cast"),
     dict(in_dtype="bfloat16", fmt="e4m3", hidden=576, bm=128, bk=32, layout="row", round_sf=False, mode="sf_only"),
     dict(in_dtype="float32", fmt="e2m1", hidden=2560, bm=128, bk=32, layout="row", round_sf=False, mode="cast_only"),
+    dict(in_dtype="bfloat16", fmt="e2m1", hidden=7168, bm=32, bk=128, layout="packed", round_sf=True, mode="cast",
+         linear_grid=True),
 ]
 
 
@@ -202,6 +214,20 @@ def test_kernel_matches_reference(t, h, in_dtype, fmt, block, layout):
     if not col and t:
         sf_row = sf.contiguous()
         assert_equal(per_block_cast_with_precomputed_sf(x, fmt, block, sf_row), reference.cast(x, fmt, block, sf=sf_row))
+
+
+@gpu
+@pytest.mark.parametrize("fmt,block,layout", [("e4m3", (32, 32), (False, True, False)), ("e2m1", (32, 128), (True, True, True))])
+def test_more_row_blocks_than_a_grid_dimension(fmt, block, layout):
+    """65,535 x 32 + 97 tokens: 65,539 row blocks, more than a grid's y extent holds (the linear grid)."""
+    col, rnd, packed = layout
+    x = torch.randn(65535 * 32 + 97, 64, device="cuda", dtype=torch.bfloat16)
+    x[-1] = 0  # the last, partial block's only row
+    ref_out, ref_sf = reference.cast(x, fmt, block, round_sf=rnd, use_tma_aligned_col_major_sf=col, use_packed_ue8m0=packed)
+    out, sf = _poison_run(x, fmt, block, col, rnd, packed)
+    assert_equal(out, ref_out)
+    assert_equal(sf, ref_sf, check_stride=True)
+    assert_equal(per_block_cast_with_sf_only(x, fmt, block, col, rnd, packed), sf)
 
 
 @gpu

@@ -491,6 +491,8 @@ CHAN_VARIANTS = [
     dict(hidden=7168, bm=32, round_sf=True, transpose=False, clamp_on=True, clamp_impl="bf16", widen_words=True,
          short_div=True, **S.CHANNEL_TUNING[32]),
     dict(hidden=1024, bm=128, round_sf=False, transpose=True, clamp_on=True, clamp_impl="bf16", widen_words=True),
+    dict(hidden=7168, bm=32, round_sf=True, transpose=True, clamp_on=False, short_div=True, linear_grid=True,
+         **S.CHANNEL_TUNING[32]),
 ]
 
 
@@ -901,6 +903,29 @@ def test_gpu_forward_per_channel(case):
         assert_equal(sf2, want[1])
     again = CHAN(x, "e4m3", bm, rnd, not transpose, clamp)
     assert_equal(again[0], got[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose", [True, False])
+def test_gpu_forward_per_channel_more_token_blocks_than_a_grid_dimension(transpose):
+    """65,536 x 32 tokens: more 32-token blocks than a grid's y extent holds (the linear grid)."""
+    x = torch.randn(65536 * 32, 2 * 64, device=DEV).bfloat16()
+    got = CHAN(x, "e4m3", 32, True, not transpose, 0.5)
+    want = R.swiglu_forward_and_per_channel_cast_and_transpose(x, "e4m3", 32, True, not transpose, 0.5)
+    assert_equal(got[0], want[0])
+    assert_equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+def test_gpu_forward_per_channel_transposed_more_than_2_31_elements():
+    """A transposed (7,168, 299,616) output, more than 2**31 elements, stored through a flat view (whose length
+    TileLang's host code reads as int32). Token blocks are independent: the reference runs on the last one."""
+    t = -(-(2**31) // 7168 // 32) * 32
+    x = torch.randn(t, 2 * 7168, device=DEV).bfloat16()
+    out, sf = CHAN(x, "e4m3", 32, True, False, None)
+    want = R.swiglu_forward_and_per_channel_cast_and_transpose(x[t - 32:], "e4m3", 32, True, False, None)
+    assert_equal(out[:, t - 32:], want[0])
+    assert_equal(sf[-1:], want[1])
 
 
 @pytest.mark.gpu

@@ -4,7 +4,9 @@ Each setting has a getter and a setter; ``reset()`` restores the defaults. Setti
 host path of an op, so they are plain module state rather than environment look-ups.
 
 - SM count override (``set_num_sms``): persistent kernels size their grid from ``get_num_sms()``.
-- PDL switch (``set_pdl``): whether kernels may use programmatic dependent launch.
+- PDL switch (``set_pdl``): whether kernels may use programmatic dependent launch. No kernel of these packages
+  uses it yet (TileLang 0.1.15 launches through its tvm_ffi runtime, which sets no PDL launch attribute), so
+  turning it on warns that it has no effect; the setting exists for code written against TileKernels.
 - Token alignment (``set_token_alignment``): the row alignment of expert segments in MoE layouts.
 - Deterministic mode (``set_deterministic``): ops with a faster non-deterministic path (float atomics)
   take their deterministic path when it is on. Ops of this project are deterministic by default.
@@ -13,6 +15,7 @@ host path of an op, so they are plain module state rather than environment look-
 """
 
 import functools
+import warnings
 
 import torch
 
@@ -63,8 +66,15 @@ def get_num_sms(device_index: int | None = None) -> int:
 
 
 def set_pdl(enabled: bool) -> None:
+    """Records the PDL switch; turning it on warns, since no kernel launches with PDL yet (module docstring)."""
     global _pdl
     _pdl = bool(enabled)
+    if _pdl:
+        warnings.warn(
+            "tk_core.config.set_pdl(True) has no effect: no tk kernel launches with programmatic dependent launch",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def get_pdl() -> bool:

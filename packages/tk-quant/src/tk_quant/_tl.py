@@ -15,11 +15,13 @@ These are trace-time helpers: each returns TIR expressions (or emits statements)
   ``encode_e2m1(round_stochastic(y, "e2m1", r))`` in one step.
 - ``store_cta_count``: a CTA's error count into its slot (the per-CTA error slots of the lossless and gathering
   per-channel casts).
+- ``tile_grid`` / ``tile_ids``: a grid of column tiles x row tiles that also takes more than 65,535 row tiles.
 """
 
 import tilelang.language as T
 import torch
 
+from tk_core.checks import MAX_GRID_YZ
 from tk_core.ptx import DIV_FAST, RCP_FAST
 
 FORMAT_MAX = {"e4m3": 448.0, "e2m1": 6.0}
@@ -217,3 +219,23 @@ def store_cta_count(err, bid, count, warp_sums, tx, warps: int, zero_counts: boo
             count[0] += warp_sums[w]
         if zero_counts or count[0] != 0:
             err[bid] = count[0]
+
+
+def linear_grid(row_tiles: int) -> bool:
+    """Whether a launch of ``row_tiles`` row tiles needs ``tile_grid``'s one-dimensional form."""
+    return row_tiles > MAX_GRID_YZ
+
+
+def tile_grid(col_tiles: int, row_tiles, linear: bool, **kernel_args):
+    """``T.Kernel`` over ``col_tiles`` x ``row_tiles`` CTAs, column tiles fastest; ``tile_ids`` names a CTA's tiles.
+    A grid's y extent stops at ``MAX_GRID_YZ`` (about 2.1 M tokens in 32-row tiles), so ``linear`` (see
+    ``linear_grid``) lays the same CTAs in the same order along x. Only those launches take it: the division
+    costs registers (the 128-row per-block cast 80 -> 84 on sm_90a, one CTA per SM fewer)."""
+    if linear:
+        return T.Kernel(row_tiles * col_tiles, **kernel_args)
+    return T.Kernel(col_tiles, row_tiles, **kernel_args)
+
+
+def tile_ids(ids, col_tiles: int, linear: bool):
+    """``(column tile, row tile)`` of the CTA, from the binding of ``tile_grid``'s frame."""
+    return (ids % col_tiles, ids // col_tiles) if linear else ids

@@ -52,8 +52,11 @@ def tile_cols(bm: int, bk: int) -> int:
 
 
 @kernel
-def per_block_cast_kernel(in_dtype: str, fmt: str, hidden: int, bm: int, bk: int, layout: str, round_sf: bool, mode: str):
-    """``mode``: ``"cast"`` (data + SF), ``"sf_only"`` (SF only) or ``"cast_only"`` (data from a row-major SF)."""
+def per_block_cast_kernel(
+    in_dtype: str, fmt: str, hidden: int, bm: int, bk: int, layout: str, round_sf: bool, mode: str, linear_grid: bool = False
+):
+    """``mode``: ``"cast"`` (data + SF), ``"sf_only"`` (SF only) or ``"cast_only"`` (data from a row-major SF).
+    ``linear_grid``: see ``_tl.tile_grid`` (launches of more than 65,535 row blocks)."""
     num_tokens = T.dynamic("num_tokens")
     sf_len = T.dynamic("sf_len")
     BK = tile_cols(bm, bk)
@@ -63,6 +66,7 @@ def per_block_cast_kernel(in_dtype: str, fmt: str, hidden: int, bm: int, bk: int
     NB = BK // bk  # scale blocks per tile
     WARPS = THREADS // 32
     nk = ceil_div(hidden, bk)
+    col_tiles = ceil_div(hidden, BK)
     e2m1 = fmt == "e2m1"
     out_cols = hidden // 2 if e2m1 else hidden
     out_dtype = "uint8" if e2m1 else "float8_e4m3fn"
@@ -75,7 +79,8 @@ def per_block_cast_kernel(in_dtype: str, fmt: str, hidden: int, bm: int, bk: int
 
     @T.macro
     def body(x, out, sf, clamp_min):
-        with T.Kernel(T.ceildiv(hidden, BK), T.ceildiv(num_tokens, bm), threads=THREADS) as (bx, by):
+        with _tl.tile_grid(col_tiles, T.ceildiv(num_tokens, bm), linear_grid, threads=THREADS) as ids:
+            bx, by = _tl.tile_ids(ids, col_tiles, linear_grid)
             tx = T.get_thread_binding()
             xr = T.alloc_local((P, VEC), in_dtype)
             am = T.alloc_local((1,), "float32")
@@ -173,9 +178,12 @@ def alloc_sf_storage(nm: int, nk: int, layout: str, device) -> tuple[torch.Tenso
 
 
 def _params(x: torch.Tensor, fmt: str, bm: int, bk: int, layout: str, round_sf: bool, mode: str) -> dict:
-    return dict(
+    params = dict(
         in_dtype=_IN_DTYPES[x.dtype], fmt=fmt, hidden=x.shape[1], bm=bm, bk=bk, layout=layout, round_sf=round_sf, mode=mode
     )
+    if _tl.linear_grid(ceil_div(x.shape[0], bm)):
+        params["linear_grid"] = True
+    return params
 
 
 @device_op("tk_quant::per_block_cast_", mutates_args=("out", "sf_flat"))

@@ -85,6 +85,7 @@ from tk_core.ptx import (
 )
 
 from . import _tl
+from .common import scratch
 from .per_block_cast import alloc_sf_storage
 from .reference import wgrad_spans
 
@@ -885,8 +886,10 @@ def swiglu_fwd_channel_kernel(
     clamp_impl: str = "nan",
     widen_words: bool = True,
     short_div: bool = False,
+    linear_grid: bool = False,
 ):
-    """``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
+    """``linear_grid``: see ``_tl.tile_grid`` (launches of more than 65,535 token blocks).
+    ``fast_div``: ``tk_div_fast`` for the 8-column row pieces whose gates allow it (see ``tk_core.ptx.DIV_FAST``).
     ``clamp_impl``: see ``NAN_CLAMP_BF16``. ``widen_words``: the inputs widened through ``BF16_WORDS``.
     ``short_div``: ``tk_div_silu_bf16`` instead where g is a bf16 value (no clamp, or the "bf16" clamp: the minimum of
     two bf16 values); launchers: on ``tk_core.ptx.DIV_SILU_BF16_ARCHS``. (``tk_one_plus_exp_neg_bf16``, which the
@@ -931,9 +934,10 @@ def swiglu_fwd_channel_kernel(
         clamp_min: T.float32,
         nt16: T.int32,
     ):
-        with T.Kernel(H // COLS, T.ceildiv(NT, bm), threads=threads, prelude=prelude) as (bx, by):
+        with _tl.tile_grid(H // COLS, T.ceildiv(NT, bm), linear_grid, threads=threads, prelude=prelude) as ids:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
+            bx, by = _tl.tile_ids(ids, H // COLS, linear_grid)
             tx = T.get_thread_binding()
             cl = tx % CL
             rl = tx // CL
@@ -1036,11 +1040,6 @@ def swiglu_fwd_channel_kernel(
 # --- device ops -----------------------------------------------------------------------------------
 
 
-def _flat_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D ``dtype`` view of ``x``'s (contiguous) storage; stands in for an absent optional tensor."""
-    return x.view(-1).view(dtype)
-
-
 @device_op("tk_quant::swiglu_forward_and_per_token_cast_", mutates_args=("out", "sf_flat", "clamped_count"))
 def swiglu_forward_and_per_token_cast_(
     x: torch.Tensor,
@@ -1077,16 +1076,18 @@ def swiglu_forward_and_per_token_cast_(
         short_exp=True,
         load_order="row" if pos_to_expert is None else ("early" if mode == "count" else "early_if_pe"),
     )
-    i32 = _flat_view(x, torch.int32)
+    # absent optional tensors: scratch (a view of x would pass its element count, which can exceed int32, for a
+    # length the kernel never reads)
+    i32 = scratch(x.device, torch.int32)
     wmode = 0 if topk_weights is None else (1 if pos_to_token_topk is not None else 2)
     k(
         x,
         i32 if pos_to_expert is None else pos_to_expert,
         i32 if pos_to_token_topk is None else pos_to_token_topk,
-        _flat_view(x, torch.float32) if topk_weights is None else topk_weights.view(-1),
+        scratch(x.device, torch.float32) if topk_weights is None else topk_weights.view(-1),
         out,
         sf_flat,
-        _flat_view(x, torch.int64) if clamped_count is None else clamped_count,
+        scratch(x.device, torch.int64) if clamped_count is None else clamped_count,
         math.inf if clamp_value is None else clamp_value,
         clamp_min,
         int(pos_to_expert is not None),
@@ -1165,6 +1166,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         widen_words=True,
         short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         **CHANNEL_TUNING[bm],
+        **({"linear_grid": True} if _tl.linear_grid(ceil_div(x.shape[0], bm)) else {}),
     )
     k(
         x,
