@@ -167,7 +167,11 @@ def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
     return slots, ceil_div(ceil_div(nvec, slots), 32) * 32
 
 
-def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> tuple[int, bool]:
+# Shared memory the forward's plan may fill with its n ring and float32 weight rows (``fwd_smem_plan``).
+FWD_SMEM_BUDGET = 74 * 1024
+
+
+def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> tuple[int, bool]:
     """(weight rows kept as float32 in shared memory, whether the n ring is float32) of the forward within
     ``budget`` bytes of shared memory, greedily by instructions saved per byte: w_h**2 (about 1.9 per element
     for 4 bytes), the float32 ring (about 0.9 per tap and element for 2 more bytes per tap), then w_v and the
@@ -188,7 +192,7 @@ def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> 
     return fw, ring32
 
 
-def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> int:
+def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> int:
     """Shared memory of the forward: the n ring (taps-1 rows, bf16 or float32 by ``fwd_smem_plan``), the float32
     weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch (1 KB)."""
     slots, threads = fwd_layout(d, vecs)
@@ -197,7 +201,7 @@ def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) 
     return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * 4 + 1024
 
 
-def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> bool:
+def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> bool:
     """Whether the forward's n ring and weight rows fit in a CTA's shared memory: at 4 taps up to d = 38,400 (the
     plan's optional rows shrink to none; the ring does not). Wider rows or more taps run the reference on the GPU."""
     return fwd_shared_bytes(d, taps, vecs, budget) <= MAX_SMEM_PER_BLOCK
@@ -205,7 +209,7 @@ def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = 74 * 1024) -> bool:
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
-                         min_blocks: int = 2, budget: int = 74 * 1024, planes: bool = True):
+                         min_blocks: int = 2, budget: int = FWD_SMEM_BUDGET, planes: bool = True):
     """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
     d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
     overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle

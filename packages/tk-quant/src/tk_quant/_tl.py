@@ -221,15 +221,16 @@ def store_cta_count(err, bid, count, warp_sums, tx, warps: int, zero_counts: boo
             err[bid] = count[0]
 
 
-def linear_grid(row_tiles: int) -> bool:
-    """Whether a launch of ``row_tiles`` row tiles needs ``tile_grid``'s one-dimensional form."""
-    return row_tiles > MAX_GRID_YZ
+def grid_params(row_tiles: int) -> dict:
+    """The kernel parameter a launch of ``row_tiles`` row tiles adds: ``linear_grid=True`` past ``MAX_GRID_YZ``,
+    else none (so the kernels of launches that fit keep the keys they are compiled and precompiled under)."""
+    return {"linear_grid": True} if row_tiles > MAX_GRID_YZ else {}
 
 
 def tile_grid(col_tiles: int, row_tiles, linear: bool, **kernel_args):
     """``T.Kernel`` over ``col_tiles`` x ``row_tiles`` CTAs, column tiles fastest; ``tile_ids`` names a CTA's tiles.
     A grid's y extent stops at ``MAX_GRID_YZ`` (about 2.1 M tokens in 32-row tiles), so ``linear`` (see
-    ``linear_grid``) lays the same CTAs in the same order along x. Only those launches take it: the division
+    ``grid_params``) lays the same CTAs in the same order along x. Only those launches take it: the division
     costs registers (the 128-row per-block cast 80 -> 84 on sm_90a, one CTA per SM fewer)."""
     if linear:
         return T.Kernel(row_tiles * col_tiles, **kernel_args)

@@ -178,12 +178,10 @@ def alloc_sf_storage(nm: int, nk: int, layout: str, device) -> tuple[torch.Tenso
 
 
 def _params(x: torch.Tensor, fmt: str, bm: int, bk: int, layout: str, round_sf: bool, mode: str) -> dict:
-    params = dict(
-        in_dtype=_IN_DTYPES[x.dtype], fmt=fmt, hidden=x.shape[1], bm=bm, bk=bk, layout=layout, round_sf=round_sf, mode=mode
+    return dict(
+        in_dtype=_IN_DTYPES[x.dtype], fmt=fmt, hidden=x.shape[1], bm=bm, bk=bk, layout=layout, round_sf=round_sf, mode=mode,
+        **_tl.grid_params(ceil_div(x.shape[0], bm)),
     )
-    if _tl.linear_grid(ceil_div(x.shape[0], bm)):
-        params["linear_grid"] = True
-    return params
 
 
 @device_op("tk_quant::per_block_cast_", mutates_args=("out", "sf_flat"))

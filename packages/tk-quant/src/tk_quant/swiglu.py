@@ -1166,7 +1166,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
         widen_words=True,
         short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         **CHANNEL_TUNING[bm],
-        **({"linear_grid": True} if _tl.linear_grid(ceil_div(x.shape[0], bm)) else {}),
+        **_tl.grid_params(ceil_div(x.shape[0], bm)),
     )
     k(
         x,
