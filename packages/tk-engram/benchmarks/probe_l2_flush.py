@@ -1,0 +1,126 @@
+"""What the L2 flush's dirty lines cost a kernel that reads less than the L2 holds (not a pytest file).
+
+    python3 packages/tk-engram/benchmarks/probe_l2_flush.py
+
+The benchmarks flush the L2 as the anchor figures were taken: ``zero_()`` of a 256 MB buffer, which leaves the L2
+full of dirty lines, so a kernel's first reads evict lines that must be written back. A decode step in a served
+model follows kernels that read weights and write a few activation rows, so its L2 holds clean lines. Each
+workload is timed (kernel time from the profiler's CUPTI records, median of ``ITERS``) after either flush:
+``dirty`` (``zero_()`` of 256 MB, the benchmarks' flush) and ``clean`` (a sum over 256 MB: reads only), and once
+through ``device_time_us`` (the benchmarks' figure). Workloads: copies of 32 MiB and 1 GiB, the decode W read of
+``probe_w_read.py`` (``panel_x2``, 16 loads per thread in flight), and ``engram_decode_step`` at the anchors.
+With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths and CTAs per SM
+(``GEMV_CONFIGS``) instead.
+"""
+
+import math
+import statistics
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from tk_core.testing.bench import device_time_us
+from tk_engram import decode, engram_decode_step, init_decode_state
+
+ITERS = 30
+FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+FLUSHES = {"dirty": FLUSH.zero_, "clean": lambda: FLUSH.sum()}
+GEMV_CONFIGS = [  # (warps, k16 steps in flight per warp, CTAs per SM); the first is gemv_config's
+    (4, 8, 2), (8, 8, 1), (8, 4, 2), (2, 8, 4), (4, 4, 4), (8, 6, 1), (4, 12, 1),
+]
+
+
+def _kernel_names(fn) -> set[str]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+
+
+def kernel_us(fn, flush) -> float:
+    """Median over ITERS of the summed durations of fn's kernels, each run after ``flush``."""
+    flush_names = _kernel_names(flush)
+    for _ in range(3):
+        flush()
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(ITERS):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    runs, cur = [], 0.0
+    for e in ev:
+        if e.name in flush_names:
+            if cur:
+                runs.append(cur)
+            cur = 0.0
+        else:
+            cur += e.time_range.end - e.time_range.start
+    runs.append(cur)
+    return statistics.median(runs)
+
+
+def report(name: str, fn, nbytes: int):
+    cupti = device_time_us(fn)
+    t = {k: kernel_us(fn, f) for k, f in FLUSHES.items()}
+    print(f"{name}: device_time_us {cupti:.2f} | dirty {t['dirty']:.2f} us | clean {t['clean']:.2f} us"
+          f" ({nbytes / t['clean'] / 1e3:.0f} GB/s clean, {nbytes / t['dirty'] / 1e3:.0f} dirty)", flush=True)
+
+
+def decode_args(B: int, d: int, d_mem: int = 2048):
+    dt = torch.bfloat16
+    e = torch.randn(B, d_mem, device="cuda").to(dt)
+    h = torch.randn(B, d, device="cuda").to(dt)
+    WK, WV = ((torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dt) for _ in range(2))
+    wh, wv = (torch.randn(d, device="cuda").to(dt) for _ in range(2))
+    cw = (torch.randn(4, d, device="cuda") * 0.3).to(dt)
+    state, pos = init_decode_state(B, d, 4, 1, dtype=dt, device="cuda")
+    pos += 5
+    return e, h, state, pos, WK, WV, wh, wv, cw
+
+
+def gemv_configs():
+    for d in (4096, 7168):
+        e, h, state, pos, WK, WV, wh, wv, cw = decode_args(1, d)
+        y = torch.empty_like(h)
+        sums = torch.empty(1, math.ceil(d / decode.GEMV_PANEL), 4, device="cuda")
+        ctr = decode._counters(h.device)
+        for nw, depth, mb in GEMV_CONFIGS:
+            try:
+                k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=2048, d=d, taps=4, dilation=1,
+                                                  mt=1, nw=nw, depth=depth, min_blocks=mb)
+            except Exception as exc:  # a configuration that does not build
+                print(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            fn = lambda k=k: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
+            report(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}", fn, 2 * 2048 * d * 2)
+
+
+def main():
+    for mib in (32, 1024):
+        src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        report(f"copy {mib} MiB", lambda dst=dst, src=src: dst.copy_(src), 2 * src.numel())
+        del src, dst
+
+    import probe_w_read
+
+    W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
+    k = probe_w_read.read_kernel.get(W.device, layout="panel_x2", U=16)
+    out = torch.empty(256 * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
+    report("W read panel_x2 U=16", lambda: k(W, out), W.numel() * 2)
+
+    for d in (4096, 7168):
+        for B in (1, 8, 64):
+            d_mem = 2048
+            args = decode_args(B, d, d_mem)
+            budget = 2 * d_mem * d * 2 / (0.8 * 4230e3)
+            report(f"decode B={B} d={d} (W budget {budget:.2f} us)", lambda args=args: engram_decode_step(*args),
+                   2 * d_mem * d * 2)
+
+
+if __name__ == "__main__":
+    gemv_configs() if sys.argv[1:] == ["gemv"] else main()
