@@ -31,6 +31,18 @@ def _inputs(M, T, d):
     return H, k, v, wh, wv, cw
 
 
+def decode_inputs(B, d_mem, d):
+    """Arguments of ``engram_decode_step`` for ``B`` rows, a cache 5 tokens in (also ``probe_l2_flush.py``'s)."""
+    dt = torch.bfloat16
+    e = torch.randn(B, d_mem, device="cuda").to(dt)
+    h = torch.randn(B, d, device="cuda").to(dt)
+    WK, WV = ((torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dt) for _ in range(2))
+    _, _, _, wh, wv, cw = _inputs(1, 1, d)
+    state, pos = init_decode_state(B, d, TAPS, 1, dtype=dt, device="cuda")
+    pos += 5
+    return e, h, state, pos, WK, WV, wh, wv, cw
+
+
 @pytest.mark.benchmark
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("M,T,d,dilation", PREFILL)
@@ -66,14 +78,7 @@ def test_bench_gate_conv_bwd(gpu_benchmark, impl, M, T, d, dilation):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("B,d_mem,d", DECODE)
 def test_bench_decode(gpu_benchmark, impl, B, d_mem, d):
-    dt = torch.bfloat16
-    e = torch.randn(B, d_mem, device="cuda").to(dt)
-    h = torch.randn(B, d, device="cuda").to(dt)
-    WK, WV = ((torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dt) for _ in range(2))
-    _, _, _, wh, wv, cw = _inputs(1, 1, d)
-    state, pos = init_decode_state(B, d, TAPS, 1, dtype=dt, device="cuda")
-    pos += 5
-    args = (e, h, state, pos, WK, WV, wh, wv, cw)
+    args = decode_inputs(B, d_mem, d)
     fn = {
         "tk": lambda: engram_decode_step(*args),
         "torch": lambda: reference.decode_step_ref(*args, 1, 1e-6),

@@ -13,15 +13,17 @@ With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts
 (``GEMV_CONFIGS``) instead.
 """
 
-import math
 import statistics
 import sys
 
+import probe_w_read
 import torch
+from bench_gate_conv import DECODE, decode_inputs
+from sweep_decode import COPY_GBPS
 from torch.profiler import ProfilerActivity, profile
 
 from tk_core.testing.bench import device_time_us
-from tk_engram import decode, engram_decode_step, init_decode_state
+from tk_engram import decode, engram_decode_step
 
 ITERS = 30
 FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
@@ -71,33 +73,27 @@ def report(name: str, fn, nbytes: int):
           f" ({nbytes / t['clean'] / 1e3:.0f} GB/s clean, {nbytes / t['dirty'] / 1e3:.0f} dirty)", flush=True)
 
 
-def decode_args(B: int, d: int, d_mem: int = 2048):
-    dt = torch.bfloat16
-    e = torch.randn(B, d_mem, device="cuda").to(dt)
-    h = torch.randn(B, d, device="cuda").to(dt)
-    WK, WV = ((torch.randn(d_mem, d, device="cuda") / math.sqrt(d_mem)).to(dt) for _ in range(2))
-    wh, wv = (torch.randn(d, device="cuda").to(dt) for _ in range(2))
-    cw = (torch.randn(4, d, device="cuda") * 0.3).to(dt)
-    state, pos = init_decode_state(B, d, 4, 1, dtype=dt, device="cuda")
-    pos += 5
-    return e, h, state, pos, WK, WV, wh, wv, cw
+def w_bytes(d_mem: int, d: int) -> int:
+    """Bytes of W_K and W_V (bf16), the decode line's measure."""
+    return 2 * d_mem * d * 2
 
 
 def gemv_configs():
+    d_mem = 2048
     for d in (4096, 7168):
-        e, h, state, pos, WK, WV, wh, wv, cw = decode_args(1, d)
+        e, h, state, pos, WK, WV, wh, wv, cw = decode_inputs(1, d_mem, d)
         y = torch.empty_like(h)
-        sums = torch.empty(1, math.ceil(d / decode.GEMV_PANEL), 4, device="cuda")
+        sums = decode.decode_scratch(1, d_mem, d, h.device, "gemv")[1]
         ctr = decode._counters(h.device)
         for nw, depth, mb in GEMV_CONFIGS:
             try:
-                k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=2048, d=d, taps=4, dilation=1,
+                k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=d_mem, d=d, taps=4, dilation=1,
                                                   mt=1, nw=nw, depth=depth, min_blocks=mb)
             except Exception as exc:  # a configuration that does not build
                 print(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             fn = lambda k=k: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
-            report(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}", fn, 2 * 2048 * d * 2)
+            report(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}", fn, w_bytes(d_mem, d))
 
 
 def main():
@@ -107,20 +103,16 @@ def main():
         report(f"copy {mib} MiB", lambda dst=dst, src=src: dst.copy_(src), 2 * src.numel())
         del src, dst
 
-    import probe_w_read
-
     W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
     k = probe_w_read.read_kernel.get(W.device, layout="panel_x2", U=16)
-    out = torch.empty(256 * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
+    out = torch.empty(probe_w_read.LAYOUTS["panel_x2"] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
     report("W read panel_x2 U=16", lambda: k(W, out), W.numel() * 2)
 
-    for d in (4096, 7168):
-        for B in (1, 8, 64):
-            d_mem = 2048
-            args = decode_args(B, d, d_mem)
-            budget = 2 * d_mem * d * 2 / (0.8 * 4230e3)
-            report(f"decode B={B} d={d} (W budget {budget:.2f} us)", lambda args=args: engram_decode_step(*args),
-                   2 * d_mem * d * 2)
+    for B, d_mem, d in DECODE:
+        args = decode_inputs(B, d_mem, d)
+        budget = w_bytes(d_mem, d) / (0.8 * COPY_GBPS * 1e3)
+        report(f"decode B={B} d={d} (W budget {budget:.2f} us)", lambda args=args: engram_decode_step(*args),
+               w_bytes(d_mem, d))
 
 
 if __name__ == "__main__":
