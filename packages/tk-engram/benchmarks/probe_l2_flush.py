@@ -10,7 +10,9 @@ workload is timed (kernel time from the profiler's CUPTI records, median of ``IT
 through ``device_time_us`` (the benchmarks' figure). Workloads: copies of 32 MiB and 1 GiB, the decode W read of
 ``probe_w_read.py`` (``panel_x2``, 16 loads per thread in flight), and ``engram_decode_step`` at the anchors.
 With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths and CTAs per SM
-(``GEMV_CONFIGS``) instead.
+(``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes, from ``decode_gemv_kernel(timeline=True)``'s
+per-CTA global-timer stamps (start, loop done, row sums, arrived, wait done, stores issued, end; medians over
+``ITERS`` launches of the latest / earliest CTA, relative to the earliest start), next to the plain reads of ``probe_w_read.py``.
 """
 
 import statistics
@@ -96,6 +98,43 @@ def gemv_configs():
             report(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}", fn, w_bytes(d_mem, d))
 
 
+def timeline():
+    for layout in ("panel", "panel_x2"):
+        W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
+        u = max(probe_w_read.IN_FLIGHT[layout])
+        k = probe_w_read.read_kernel.get(W.device, layout=layout, U=u)
+        out = torch.empty(probe_w_read.LAYOUTS[layout] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
+        report(f"W read {layout} U={u}", lambda k=k, W=W, out=out: k(W, out), W.numel() * 2)
+    d_mem = 2048
+    for B, d in ((1, 4096), (8, 4096), (1, 7168)):
+        e, h, state, pos, WK, WV, wh, wv, cw = decode_inputs(B, d_mem, d)
+        y = torch.empty_like(h)
+        sums = decode.decode_scratch(B, d_mem, d, h.device, "gemv")[1]
+        ctr = torch.zeros(decode._CTR_LEN, dtype=torch.int32, device="cuda")  # stamps in words the GEMV leaves
+        k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=d_mem, d=d, taps=4, dilation=1,
+                                          timeline=True, **decode.gemv_config(B, d_mem, d))
+        fn = lambda k=k, ctr=ctr: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
+        report(f"gemv(timeline) B={B} d={d}", fn, w_bytes(d_mem, d))
+        np_ = decode.ceil_div(d, decode.GEMV_PANEL)
+        n = 2 * np_ * decode.TIMELINE_STAMPS
+        for name, flush in FLUSHES.items():
+            runs = []
+            for _ in range(ITERS):
+                flush()
+                fn()
+                st = ctr[:n].view(2 * np_, decode.TIMELINE_STAMPS).to(torch.int64).cpu()
+                st = (st - st[:, 0].min()) % (1 << 32)  # the low 32 bits of ns wrap every 4.3 s
+                kc, vc = st[:np_], st[np_:]
+                runs.append([kc[:, 0].max(), kc[:, 1].max(), kc[:, 2].max(), kc[:, 3].max(), vc[:, 1].max(),
+                             vc[:, 3].max(), vc[:, 4].min(), vc[:, 4].max(), vc[:, 5].max(), vc[:, 6].max(),
+                             (vc[:, 5] - vc[:, 4]).median(), (vc[:, 6] - vc[:, 5]).median()])
+            m = [x / 1e3 for x in torch.tensor(runs, dtype=torch.float64).median(0).values.tolist()]
+            print(f"  {name}: last start {m[0]:.2f} | K last: loop done {m[1]:.2f}, sums {m[2]:.2f}, arrived "
+                  f"{m[3]:.2f} | V last: loop done {m[4]:.2f}, arrived {m[5]:.2f} | V wait done first {m[6]:.2f} "
+                  f"last {m[7]:.2f} | V last: stores issued {m[8]:.2f}, end {m[9]:.2f} us | per V CTA: wait done"
+                  f" -> stores {m[10]:.2f}, stores -> end {m[11]:.2f} us", flush=True)
+
+
 def main():
     for mib in (32, 1024):
         src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda").random_()
@@ -116,4 +155,4 @@ def main():
 
 
 if __name__ == "__main__":
-    gemv_configs() if sys.argv[1:] == ["gemv"] else main()
+    {"gemv": gemv_configs, "timeline": timeline}.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -294,7 +294,8 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     path, cfg = decode.decode_plan(1, d_mem, d)
     assert path == "gemv"
     src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
-    assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src
+    assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src and "tk_silu_approx(" in src
+    assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
     path, cfg = decode.decode_plan(17, d_mem, d)  # block_m 64, as at B=64 (d = 7168)
     assert path == "fused" and cfg == decode.fused_config(64, d_mem, d)
     src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
@@ -316,6 +317,9 @@ def test_compile_decode_gemv_odd_d(arch):
     path, cfg = decode.decode_plan(8, 2048, 1088)
     assert path == "gemv"
     assert_compiles(decode.decode_gemv_kernel, arch, dtype="bfloat16", d_mem=2048, d=1088, taps=4, dilation=2, **cfg)
+    src = assert_compiles(decode.decode_gemv_kernel, arch, dtype="bfloat16", d_mem=2048, d=1088, taps=4, dilation=2,
+                          timeline=True, **cfg)  # benchmarks/probe_l2_flush.py
+    assert src.count("tkd_stamp((") == 10  # the start, then 3 in a K CTA and 6 in a V CTA
 
 
 # ------------------------------------------------------------------------------------------------ gpu tier

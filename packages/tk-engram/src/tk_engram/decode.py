@@ -28,7 +28,9 @@ are identical run to run):
 - 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``), and whenever there are too
   many waiting CTAs for the SMs, two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER`` CTAs per
   row (``decode_step_kernel``).
-Runtime: batch, L, positions, eps.
+Runtime: batch, L, positions, eps. The sigmoid of the gate and the SiLU come from the hardware's approximate exp2
+and reciprocal (``SILU_APPROX``, as in the GateConv kernels): the IEEE division's slow-path branches serialised the
+one-warp epilogue that every V CTA runs after its wait (1.73 -> 1.25 us per CTA on the H200, PERF-NOTES session 27).
 
 Roofline bytes (e = element size; the benchmark's ``bytes``):
     2*d_mem*d*e (W_K, W_V) + B*d_mem*e (e_t) + B*d*e (h_t) + B*d*e (y) + B*w*d*e (w-1 cache reads + 1 write)
@@ -49,7 +51,7 @@ from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
 from . import reference
-from ._gate_conv_kernels import VEC, add_row_sums, cluster_sync
+from ._gate_conv_kernels import SILU_APPROX, VEC, add_row_sums, cluster_sync
 from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
 # CTAs per batch row in the step kernel (a thread block cluster): 8 SMs instead of 1 load a row at small batch.
@@ -62,7 +64,7 @@ def gate_of(part, i: int, d: int, eps):
     RMS of h and k, a = sigmoid(r_h r_k (h w_h).(k w_h) / sqrt(d)), r_v the reciprocal RMS of a v."""
     r_h = T.rsqrt(part[i] * (1.0 / d) + eps)
     r_k = T.rsqrt(part[i + 1] * (1.0 / d) + eps)
-    a = T.float32(1) / (T.float32(1) + T.exp(-(r_h * r_k * part[i + 2] * (1.0 / math.sqrt(d)))))
+    a = T.call_extern("float32", "tk_sigmoid_approx", r_h * r_k * part[i + 2] * (1.0 / math.sqrt(d)))
     return a, T.rsqrt(a * a * (part[i + 3] * (1.0 / d)) + eps)
 
 
@@ -81,7 +83,7 @@ def write_step(vf, wv, cw, st, vo, wo, co, so, a, r_v, no, uu, yo, Y, state, row
             uu[e] += T.cast(cw[co + (taps - 2 - q) * VEC + e], "float32") * T.cast(st[so + q * VEC + e], "float32")
     for e in T.unroll(VEC):
         vh = a * vf[vo + e]
-        yo[e] = T.cast(uu[e] / (T.float32(1) + T.exp(-uu[e])) + vh, dtype)
+        yo[e] = T.cast(T.call_extern("float32", "tk_silu_approx", uu[e]) + vh, dtype)
     for e in T.vectorized(VEC):
         Y[row, c0 + e] = yo[e]
     if R > 0:
@@ -234,7 +236,8 @@ def decode_step_kernel(dtype: str, d: int, taps: int, dilation: int, splits: int
         S: T.Tensor((B, 8, 4), f32),
         eps: T.float32,
     ):
-        with T.Kernel(cluster, B, threads=threads, cluster_dims=(cluster, 1, 1) if cluster > 1 else None) as (
+        with T.Kernel(cluster, B, threads=threads, cluster_dims=(cluster, 1, 1) if cluster > 1 else None,
+                      prelude=SILU_APPROX) as (
             br,
             bb,
         ):
@@ -346,7 +349,7 @@ __device__ __forceinline__ void tk_ldcg_f32x4(float* dst, const float* src) {
   *reinterpret_cast<float4*>(dst) = __ldcg(reinterpret_cast<const float4*>(src));
 }
 """
-FUSED_PRELUDE = r"""
+FUSED_PRELUDE = SILU_APPROX + r"""
 __device__ __forceinline__ int tk_arrive_last(int* cnt, int n) {
   __threadfence();
   int last = atomicAdd(cnt, 1) == n - 1;
@@ -580,6 +583,7 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
 GEMV_MAX_BATCH = 16
 GEMV_PANEL = 64  # columns per CTA: a W row segment is 8 lanes x 16 B
 _GEMV_CTR = _CTR_LEN // 2
+TIMELINE_STAMPS = 7  # per CTA of ``decode_gemv_kernel(timeline=True)``
 
 
 def gemv_config(B: int, d_mem: int, d: int) -> dict:
@@ -607,7 +611,7 @@ def _static(n: int) -> tuple:
 def _gemv_prelude(mt: int, dtype: str) -> str:
     """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles, the W load, the counter."""
     ab = "bf16" if dtype == "bfloat16" else "f16"
-    return rf"""
+    return SILU_APPROX + rf"""
 // One k16 step: W rows 4t..4t+3 (4 x 16 B, columns 8g..8g+7) in w, e rows g / g+8 (8 B each, per m-tile) in e.
 __device__ __forceinline__ void tkd_step(float* acc, const void* wp, const void* ep) {{
   const unsigned* w = reinterpret_cast<const unsigned*>(wp);
@@ -653,6 +657,13 @@ __device__ __forceinline__ void tkd_poll(int* w, unsigned n) {{
     __nanosleep(20);
   }}
 }}
+// The probe's timeline: the low 32 bits of the global nanosecond timer (comparable across SMs), read once ``dep``
+// is computed.
+__device__ __forceinline__ void tkd_stamp(int* p, float dep) {{
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "f"(dep) : "memory");
+  *p = static_cast<int>(t);
+}}
 __device__ __forceinline__ unsigned tkd_leave(int* w) {{ return atomicAdd(reinterpret_cast<unsigned*>(w) + 1, 1u); }}
 __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv) {{
   if (old == nv - 1) {{
@@ -665,7 +676,7 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
-                       depth: int = 8, min_blocks: int = 2):
+                       depth: int = 8, min_blocks: int = 2, timeline: bool = False):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -694,7 +705,12 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       GPU next to the CTAs they wait for (``decode_plan``).
 
     Thread tx owns columns 8 (tx % 8) .. + 8 of the panel in rows tx / 8 + i (threads / 8) (i < items), so the 8
-    lanes of a row reduce its sums with 3 butterflies. Runtime: batch, cache length, positions, eps."""
+    lanes of a row reduce its sums with 3 butterflies. Runtime: batch, cache length, positions, eps.
+
+    ``timeline`` (for ``benchmarks/probe_l2_flush.py``, one row tile): thread 0 of CTA c also writes the global
+    timer's low 32 bits (ns) to ``Ctr[TIMELINE_STAMPS c + i]`` (words the GEMV's counters do not use) at the CTA's
+    start (i = 0), after its loop and tile reduction (1), once its row sums are stored (2), after its arrival (3) and,
+    in a V CTA, after its wait (4), once its stores are issued (5) and at its end (6)."""
     B = T.dynamic("batch")
     LC = T.dynamic("cache_len")
     f32 = "float32"
@@ -711,6 +727,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     rstep = threads // nv
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
+    assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -794,6 +811,12 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                 load(E, W, wb, eb, warp, t, g, c0, by, B, s + P)
 
     @T.macro
+    def stamp(Ctr, tx, stamps, i: int, dep=0.0):
+        if timeline:
+            if tx == 0:
+                T.call_extern("handle", "tkd_stamp", T.address_of(Ctr[stamps + i]), T.cast(dep, f32))
+
+    @T.macro
     def reduce_tile(acc, red, out, tx):
         """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8)."""
         warp = tx // 32
@@ -854,10 +877,13 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             tx = T.get_thread_binding()
             cv = tx % nv
             ctr = _GEMV_CTR + 2 * by
+            stamps = (by * 2 * NP + bx) * TIMELINE_STAMPS
+            stamp(Ctr, tx, stamps, 0)
             if bx < NP:
                 c0 = bx * GEMV_PANEL + cv * VEC
                 mainloop(E, WK, acc, wb, eb, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, False)
                 reduce_tile(acc, red, out, tx)
+                stamp(Ctr, tx, stamps, 1)
                 T.call_extern("handle", "tkd_cp_wait")
                 for e in T.vectorized(VEC):
                     wl[e] = ep[tx, e]
@@ -884,14 +910,17 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                     if cv == 0 and tx // nv + i * rstep < MR and b < B:
                         for q in T.unroll(3):
                             S[b, bx, q] = part[i * 4 + q]
+                stamp(Ctr, tx, stamps, 2, part[0])
                 T.sync_threads()
                 if tx == 0:
                     T.call_extern("handle", "tkd_release_add", T.address_of(Ctr[ctr]))
+                stamp(Ctr, tx, stamps, 3)
             else:
                 panel = bx - NP
                 c0 = panel * GEMV_PANEL + cv * VEC
                 mainloop(E, WV, acc, wb, eb, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, True)
                 reduce_tile(acc, red, out, tx)
+                stamp(Ctr, tx, stamps, 1)
                 for i in T.unroll(items):
                     part[i * 4] = T.float32(0)
                     b = by * MR + tx // nv + i * rstep
@@ -906,12 +935,16 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                     b = by * MR + tx // nv + i * rstep
                     if cv == 0 and tx // nv + i * rstep < MR and b < B:
                         S[b, panel, 3] = part[i * 4]
+                stamp(Ctr, tx, stamps, 2, part[0])
                 T.sync_threads()
                 if tx == 0:
                     T.call_extern("handle", "tkd_release_add", T.address_of(Ctr[ctr]))
+                stamp(Ctr, tx, stamps, 3)
+                if tx == 0:
                     T.call_extern("handle", "tkd_poll", T.address_of(Ctr[ctr]), 2 * NP)
                     # its result is needed only at the very end: the atomic overlaps the epilogue
                     lv[0] = T.call_extern("uint32", "tkd_leave", T.address_of(Ctr[ctr]))
+                stamp(Ctr, tx, stamps, 4)
                 T.sync_threads()
                 T.call_extern("handle", "tkd_cp_wait")
                 for e in T.vectorized(VEC):
@@ -925,8 +958,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                             st[(i * R + q) * VEC + e] = ep[tx, (1 + taps + i * R + q) * VEC + e]
                 gate_and_step(S, part, tv, out, wl, cw, st, rpl, no, uu, yo, Y, state, eps, B, by * MR, tx, c0, MR,
                               items, nv, rstep, NP, d, taps, dtype)
+                stamp(Ctr, tx, stamps, 5, yo[0])
                 if tx == 0:
                     T.call_extern("handle", "tkd_leave_done", T.address_of(Ctr[ctr]), lv[0], NP)
+                stamp(Ctr, tx, stamps, 6)
 
     return main
 
