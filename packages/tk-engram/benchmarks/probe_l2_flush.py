@@ -10,9 +10,7 @@ workload is timed (kernel time from the profiler's CUPTI records, median of ``IT
 through ``device_time_us`` (the benchmarks' figure). Workloads: copies of 32 MiB and 1 GiB, the decode W read of
 ``probe_w_read.py`` (``panel_x2``, 16 loads per thread in flight), and ``engram_decode_step`` at the anchors.
 With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths and CTAs per SM
-(``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes, from ``decode_gemv_kernel(timeline=True)``'s
-per-CTA global-timer stamps (start, loop done, row sums, arrived, wait done, stores issued, end; medians over
-``ITERS`` launches of the latest / earliest CTA, relative to the earliest start), next to the plain reads of ``probe_w_read.py``.
+(``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes (``timeline``).
 """
 
 import statistics
@@ -24,6 +22,7 @@ from bench_gate_conv import DECODE, decode_inputs
 from sweep_decode import COPY_GBPS
 from torch.profiler import ProfilerActivity, profile
 
+from tk_core.layout import ceil_div
 from tk_core.testing.bench import device_time_us
 from tk_engram import decode, engram_decode_step
 
@@ -99,6 +98,10 @@ def gemv_configs():
 
 
 def timeline():
+    """The plain W reads of ``probe_w_read.py`` (``panel``, the GEMV's order, and ``panel_x2``), then
+    ``decode_gemv_kernel(timeline=True)``'s per-CTA global-timer stamps under each flush: medians over ``ITERS``
+    launches of the time (from the earliest CTA's start) at which the last (or first) K or V CTA started, finished its
+    loop, stored its row sums, arrived, finished its wait, issued its stores and ended."""
     for layout in ("panel", "panel_x2"):
         W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
         u = max(probe_w_read.IN_FLIGHT[layout])
@@ -115,7 +118,7 @@ def timeline():
                                           timeline=True, **decode.gemv_config(B, d_mem, d))
         fn = lambda k=k, ctr=ctr: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
         report(f"gemv(timeline) B={B} d={d}", fn, w_bytes(d_mem, d))
-        np_ = decode.ceil_div(d, decode.GEMV_PANEL)
+        np_ = ceil_div(d, decode.GEMV_PANEL)
         n = 2 * np_ * decode.TIMELINE_STAMPS
         for name, flush in FLUSHES.items():
             runs = []
