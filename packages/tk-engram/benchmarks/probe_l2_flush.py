@@ -79,6 +79,15 @@ def w_bytes(d_mem: int, d: int) -> int:
     return 2 * d_mem * d * 2
 
 
+def report_w_read(layout: str):
+    """``report`` of ``probe_w_read.py``'s plain read in ``layout`` with its most loads in flight."""
+    W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
+    u = max(probe_w_read.IN_FLIGHT[layout])
+    k = probe_w_read.read_kernel.get(W.device, layout=layout, U=u)
+    out = torch.empty(probe_w_read.LAYOUTS[layout] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
+    report(f"W read {layout} U={u}", lambda: k(W, out), W.numel() * 2)
+
+
 def gemv_configs():
     d_mem = 2048
     for d in (4096, 7168):
@@ -103,11 +112,7 @@ def timeline():
     launches of the time (from the earliest CTA's start) at which the last (or first) K or V CTA started, finished its
     loop, stored its row sums, arrived, finished its wait, issued its stores and ended."""
     for layout in ("panel", "panel_x2"):
-        W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
-        u = max(probe_w_read.IN_FLIGHT[layout])
-        k = probe_w_read.read_kernel.get(W.device, layout=layout, U=u)
-        out = torch.empty(probe_w_read.LAYOUTS[layout] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
-        report(f"W read {layout} U={u}", lambda k=k, W=W, out=out: k(W, out), W.numel() * 2)
+        report_w_read(layout)
     d_mem = 2048
     for B, d in ((1, 4096), (8, 4096), (1, 7168)):
         e, h, state, pos, WK, WV, wh, wv, cw = decode_inputs(B, d_mem, d)
@@ -145,10 +150,7 @@ def main():
         report(f"copy {mib} MiB", lambda dst=dst, src=src: dst.copy_(src), 2 * src.numel())
         del src, dst
 
-    W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
-    k = probe_w_read.read_kernel.get(W.device, layout="panel_x2", U=16)
-    out = torch.empty(probe_w_read.LAYOUTS["panel_x2"] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
-    report("W read panel_x2 U=16", lambda: k(W, out), W.numel() * 2)
+    report_w_read("panel_x2")
 
     for B, d_mem, d in DECODE:
         args = decode_inputs(B, d_mem, d)
