@@ -9,8 +9,8 @@ workload is timed (kernel time from the profiler's CUPTI records, median of ``IT
 ``dirty`` (``zero_()`` of 256 MB, the benchmarks' flush) and ``clean`` (a sum over 256 MB: reads only), and once
 through ``device_time_us`` (the benchmarks' figure). Workloads: copies of 32 MiB and 1 GiB, the decode W read of
 ``probe_w_read.py`` (``panel_x2``, 16 loads per thread in flight), and ``engram_decode_step`` at the anchors.
-With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths and CTAs per SM
-(``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes (``timeline``).
+With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths, CTAs per SM and
+W ring sizes (``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes (``timeline``).
 """
 
 import statistics
@@ -29,10 +29,10 @@ from tk_engram import decode, engram_decode_step
 ITERS = 30
 FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
 FLUSHES = {"dirty": FLUSH.zero_, "clean": lambda: FLUSH.sum()}
-# (warps, k16 steps in flight per warp, CTAs per SM); the first is gemv_config's. The grid is one CTA per panel
-# (128 at d=4096, 224 at d=7168), so the warps per SM are set by the CTA size; sm_90a registers: 190 / 186 / 128 /
-# 190 (d=4096), no spill.
-GEMV_CONFIGS = [(4, 8, 2), (8, 8, 1), (8, 4, 2), (4, 12, 1)]
+# (warps, k16 steps in flight per warp, CTAs per SM, W ring slots per warp: 0 for the register-direct loads); the
+# first is gemv_config's. The grid is one CTA per panel (128 at d=4096, 224 at d=7168), so the warps per SM are set
+# by the CTA size.
+GEMV_CONFIGS = [(4, 8, 2, 2), (4, 8, 2, 0), (4, 8, 1, 3), (4, 8, 1, 4)]
 
 
 def _kernel_names(fn) -> set[str]:
@@ -95,15 +95,16 @@ def gemv_configs():
         y = torch.empty_like(h)
         sums = decode.decode_scratch(1, d_mem, d, h.device, "gemv")[1]
         ctr = decode._counters(h.device)
-        for nw, depth, mb in GEMV_CONFIGS:
+        for nw, depth, mb, ring in GEMV_CONFIGS:
+            name = f"gemv d={d} nw={nw} depth={depth} min_blocks={mb} ring={ring}"
             try:
                 k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=d_mem, d=d, taps=4, dilation=1,
-                                                  mt=1, nw=nw, depth=depth, min_blocks=mb)
+                                                  mt=1, nw=nw, depth=depth, min_blocks=mb, ring=ring)
             except Exception as exc:  # a configuration that does not build
-                print(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}: {type(exc).__name__}: {exc}", flush=True)
+                print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
                 continue
             fn = lambda k=k: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
-            report(f"gemv d={d} nw={nw} depth={depth} min_blocks={mb}", fn, w_bytes(d_mem, d))
+            report(name, fn, w_bytes(d_mem, d))
 
 
 def timeline():

@@ -216,6 +216,14 @@ def test_decode_plan_cpu():
         assert decode.decode_plan(64, 2048, d)[0] == ("two_launch" if d <= 4096 else "fused")
     assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
     assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
+    # the W ring: whole panels and k16 steps, one CTA per SM, room beside the epilogue's operands at 2 CTAs per SM
+    assert decode.decode_plan(16, 2048, 4096)[1]["ring"] == decode.GEMV_RING
+    assert decode.decode_plan(1, 2048, 200)[1]["ring"] == decode.decode_plan(1, 2040, 4096)[1]["ring"] == 0
+    assert decode.decode_plan(1, 2048, 7168)[1]["ring"] == decode.decode_plan(1, 2048, 4096, 127)[1]["ring"] == 0
+    rings = [decode.decode_plan(1, 2048, 4096, taps=taps)[1]["ring"] for taps in range(1, 53)]
+    assert rings == sorted(rings, reverse=True) and rings[0] == decode.GEMV_RING and rings[-1] == 0
+    for taps, ring in enumerate(rings, 1):
+        assert (decode._gemv_epilogue(1, 4, taps, decode.GEMV_RING)[2] <= decode.GEMV_RING_SMEM) == (ring > 0)
     part, sums = decode.decode_scratch(8, 2048, 7168, "cpu")
     assert part.numel() == 0 and sums.shape == (8, 112, 4)
     part, sums = decode.decode_scratch(64, 2048, 7168, "cpu")
@@ -295,6 +303,9 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert path == "gemv"
     src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
     assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src and "tk_silu_approx(" in src
+    # the W ring (TMA into shared memory) where the shape allows it, else the register-direct loads
+    assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d == 4096)
+    assert ("tkd_ldw((" in src) != (cfg["ring"] > 0)
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
     path, cfg = decode.decode_plan(17, d_mem, d)  # block_m 64, as at B=64 (d = 7168)
     assert path == "fused" and cfg == decode.fused_config(64, d_mem, d)
@@ -538,7 +549,9 @@ DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.b
                 (33, 1024, 7168, 4, 2, torch.bfloat16),
                 (70, 512, 7168, 4, 3, torch.bfloat16),
                 # 53 taps: the GEMV kernel's epilogue operands would overflow shared memory, so the fused path
-                (2, 64, 200, 53, 1, torch.bfloat16), (2, 64, 200, 52, 1, torch.bfloat16)]
+                (2, 64, 200, 53, 1, torch.bfloat16), (2, 64, 200, 52, 1, torch.bfloat16),
+                # the GEMV's W ring: a full row tile, and one slot of k16 steps per warp
+                (16, 256, 4096, 4, 2, torch.bfloat16), (1, 256, 640, 4, 1, torch.float16)]
 
 
 def _decode_inputs(B, d_mem, d, taps, dtype):

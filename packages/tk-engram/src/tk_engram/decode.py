@@ -17,8 +17,8 @@ read and one slot written per step (no shift copy).
 Kernels (``decode_plan`` picks one path per shape; every sum has a fixed order, no float atomics, so results
 are identical run to run):
 - up to ``GEMV_MAX_BATCH`` rows, one launch of ``decode_gemv_kernel``: one CTA per 64-column panel of W_K or
-  W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K, no shared memory in the
-  loop); the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
+  W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K), or where the grid is one CTA
+  per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
   8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
 - more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for
   both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the
@@ -43,6 +43,7 @@ import math
 
 import tilelang.language as T
 import torch
+from tilelang import layout as tl_layout
 from tvm import tirx
 
 from tk_core import checks, config
@@ -51,7 +52,7 @@ from tk_core.layout import ceil_div
 from tk_core.library import device_op
 
 from . import reference
-from ._gate_conv_kernels import SILU_APPROX, VEC, add_row_sums, cluster_sync
+from ._gate_conv_kernels import _CLUSTER, SILU_APPROX, VEC, add_row_sums, cluster_sync
 from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
 
 # CTAs per batch row in the step kernel (a thread block cluster): 8 SMs instead of 1 load a row at small batch.
@@ -589,18 +590,33 @@ TIMELINE_STAMPS = 7  # per CTA of ``decode_gemv_kernel(timeline=True)``
 def gemv_config(B: int, d_mem: int, d: int) -> dict:
     """Tuning of ``decode_gemv_kernel`` (H200 sweep, session 4, d_mem 2048, d 4096 / 7168, B 1 / 8): 16 rows per
     CTA, 4 warps with 8 k16 steps of W in flight each (8 KiB per warp), 2 CTAs per SM. 8 warps at depth 8
-    (1 CTA/SM at d=4096) or depth 4 (2 CTAs/SM at d=7168) took 5-20 % longer, 16 warps at depth 3 longer still."""
-    return dict(mt=1, nw=4, depth=8, min_blocks=2)
+    (1 CTA/SM at d=4096) or depth 4 (2 CTAs/SM at d=7168) took 5-20 % longer, 16 warps at depth 3 longer still.
+    ``ring``: ``GEMV_RING`` slots per warp where ``ring_ok`` (``decode_plan`` drops it where it measured slower or
+    does not fit)."""
+    return dict(mt=1, nw=4, depth=8, min_blocks=2, ring=GEMV_RING if ring_ok(1, 4, d_mem, d) else 0)
 
 
-def _gemv_epilogue(mt: int, nw: int, taps: int) -> tuple[int, int, int]:
+RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 e rows x 128 B
+_RING_W, _RING_E = RING_STEPS * 16 * GEMV_PANEL * 2, RING_STEPS * 16 * 16 * 2  # bytes of a W ring slot's W, e
+GEMV_RING = 2  # W ring slots per warp: 4 to 8 k16 steps in flight
+GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB reserved each)
+
+
+def ring_ok(mt: int, nw: int, d_mem: int, d: int) -> bool:
+    """Whether ``decode_gemv_kernel`` can take the W ring: one m-tile, the same whole k16 steps for every warp,
+    whole 64-column panels (no bounds tests in the bulk copies)."""
+    return mt == 1 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
+
+
+def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0) -> tuple[int, int, int]:
     """(items, EPW, shared bytes) of ``decode_gemv_kernel``: (row, 16-byte column vector) items per thread, the
     epilogue operands per thread in elements (h, w_h / w_v, the taps, the lagged cache slots), and the shared memory
-    of the reduction tile (float32) and the 16-bit epilogue operands."""
+    of the reduction tile (float32), the 16-bit epilogue operands and ``ring`` W ring slots per warp."""
     threads, nv = 32 * nw, GEMV_PANEL // VEC
     items = ceil_div(16 * mt * nv, threads)
     epw = VEC * max(1 + items, 1 + taps + items * (taps - 1))
-    return items, epw, nw * 16 * mt * (GEMV_PANEL + 4) * 4 + threads * epw * 2
+    red = nw * 16 * mt * (GEMV_PANEL + 4) * 4  # in the ring's W bytes when there is a ring
+    return items, epw, max(red, nw * ring * _RING_W) + nw * ring * _RING_E + threads * epw * 2
 
 
 def _static(n: int) -> tuple:
@@ -611,7 +627,7 @@ def _static(n: int) -> tuple:
 def _gemv_prelude(mt: int, dtype: str) -> str:
     """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles, the W load, the counter."""
     ab = "bf16" if dtype == "bfloat16" else "f16"
-    return SILU_APPROX + rf"""
+    return SILU_APPROX + _CLUSTER + rf"""
 // One k16 step: W rows 4t..4t+3 (4 x 16 B, columns 8g..8g+7) in w, e rows g / g+8 (8 B each, per m-tile) in e.
 __device__ __forceinline__ void tkd_step(float* acc, const void* wp, const void* ep) {{
   const unsigned* w = reinterpret_cast<const unsigned*>(wp);
@@ -639,6 +655,35 @@ __device__ __forceinline__ void tkd_ldw(void* dst, const void* src) {{
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src));
   *reinterpret_cast<uint4*>(dst) = v;
 }}
+// The W ring (``ring`` > 0): slots of RING_STEPS k16 steps, TMA's 128-byte swizzle (the 16-byte chunk c of row r at
+// r * 128 + (c ^ (r & 7)) * 16): the W rows (16 per step, 128 B each: step q at ``wslot``) and the e rows (16 rows of
+// 128 B, step q in chunks 2q, 2q + 1), read with ldmatrix into the standard mma fragments (k in order):
+// acc[4 j + 2 h + q] is row g + 8 h, column 8 j + 2 t + q.
+__device__ __forceinline__ void tkd_ring_step(float* acc, const void* wslot, const void* eslot, int q, int lane) {{
+  const unsigned ws = tk_smem(wslot), es = tk_smem(eslot);
+  const int r = (lane & 7) + ((lane >> 3) & 1) * 8;  // the row whose address this lane gives ldmatrix
+  unsigned a[4];
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0,%1,%2,%3}}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(es + r * 128 + (((2 * q + (lane >> 4)) ^ (r & 7)) << 4)));
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {{
+    unsigned b[4];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{%0,%1,%2,%3}}, [%4];"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(ws + r * 128 + (((j + (lane >> 4)) ^ (r & 7)) << 4)));
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {{
+      float* c = acc + (j + n) * 4;
+      asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "
+          "{{%0,%1,%2,%3}};"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * n]), "r"(b[2 * n + 1]));
+    }}
+  }}
+}}
+__device__ __forceinline__ void tkd_st_f32(void* base, int i, float v) {{ static_cast<float*>(base)[i] = v; }}
+__device__ __forceinline__ float tkd_ld_f32(const void* base, int i) {{ return static_cast<const float*>(base)[i]; }}
 __device__ __forceinline__ void tkd_cp16(void* smem, const void* gmem) {{
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((unsigned)__cvta_generic_to_shared(smem)), "l"(gmem));
 }}
@@ -674,9 +719,11 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 """ + LDCG_F32X4
 
 
-@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+# TileLang's sync planner is off: it cannot see that each warp's ring slots are its own (ordered by the warp's
+# mbarriers and __syncwarp) and put two CTA barriers in every k16 step; the kernel's own barriers order the rest.
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
-                       depth: int = 8, min_blocks: int = 2, timeline: bool = False):
+                       depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -694,6 +741,14 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       2t+8, 2t+9} = physical rows {4t..4t+3} (the same k permutation applies to e, so the sum runs over the same
       products); one PRMT per B register pairs two rows. The A operand is e (batch rows as m, 16 per m-tile),
       one 8-byte load per row. The accumulators of n-tile j hold columns 16t + j and 16t + 8 + j of rows g, g + 8.
+    - Or, with ``ring`` (slots per warp), W and e go through shared memory: each warp's ring slot holds
+      ``RING_STEPS`` k16 steps, filled by two TMA copies (64 W rows x 128 B, 128-byte swizzle; e's 64 columns of
+      the 16 batch rows, zeros past the batch) that one mbarrier per slot counts; the warp refills a slot once it
+      has read the chunk before (``__syncwarp``) and reads its operands with ldmatrix (standard fragments: n-tile j
+      holds columns 8j + 2t, + 1). No scoreboard drains the loads in flight (the register path's limit, PERF-NOTES
+      session 27). The reduction tile then reuses the ring's bytes. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
+      from a clean L2, 16.05 -> 16.2 after the benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9
+      clean but 22.7 -> 25.2 dirty (session 28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
     - The warps' tiles are summed in shared memory in warp order (deterministic, like every sum below).
     - K CTAs round k, write the per-row sums h.h, k.k, (h w_h).(k w_h) of their panel to S[b, panel, 0..2],
       arrive (release add) and exit. V CTAs round v, write v.v to S[b, panel, 3], arrive, poll the row tile's
@@ -727,7 +782,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     rstep = threads // nv
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
+    assert not ring or nw * MR * RS <= nw * min(ring, ceil_div(SPW, RING_STEPS)) * _RING_W // 4, "red must fit the ring"
     assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
+    assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs one m-tile and whole k16 steps and panels"
+    NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
+    NS = min(ring, NC)  # ring slots per warp
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -786,9 +845,27 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                                   T.address_of(state[b, T.if_then_else(sl < 0, sl + LC, sl), c0]))
 
     @T.macro
-    def mainloop(E, W, acc, wb, eb, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, is_v: bool):
+    def fill(E, W, wr, er, bars, warp, panel, by, c: int):
+        """TMA copies of chunk c of this warp (RING_STEPS k16 steps: its W rows of the panel, the row tile's e
+        columns; e rows past the batch arrive as zeros) into ring slot c % NS, once every lane has read the slot's
+        previous chunk."""
+        KR = 16 * RING_STEPS
+        row0 = (warp * NC + c) * KR
+        slot = warp * NS + c % NS
+        T.call_extern("handle", "__syncwarp")
+        T.tma_copy(W[row0:row0 + KR, panel * GEMV_PANEL:(panel + 1) * GEMV_PANEL], wr[slot * KR:slot * KR + KR, :],
+                   barrier=bars[slot], leader_scope_threads=32)
+        T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * 16:slot * 16 + 16, :], barrier=bars[slot],
+                   leader_scope_threads=32)
+        T.barrier_arrive(bars[slot])
+
+    @T.macro
+    def mainloop(E, W, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
+                 is_v: bool):
         """acc += this warp's rows of e @ W[:, panel]; the epilogue operands are copied to shared memory
-        asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W)."""
+        asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W).
+        With ``ring``, each step's W and e come from the warp's slot of the ring, refilled ``NS - 1`` steps ahead
+        (the slot the step before freed)."""
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
@@ -797,18 +874,33 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         ce = panel * GEMV_PANEL + (tx % nv) * VEC
         for i in T.unroll(mt * 32):
             acc[i] = T.float32(0)
-        for s in _static(P):
-            load(E, W, wb, eb, warp, t, g, c0, by, B, s)
+        if ring:
+            for c in _static(NS - 1):
+                fill(E, W, wr, er, bars, warp, panel, by, c)
+        else:
+            for s in _static(P):
+                load(E, W, wb, eb, warp, t, g, c0, by, B, s)
         for s in _static(SPW):
             if s == 0:
                 if is_v:
                     early_v(w_v, conv_w, state, pos, tx, ce, by, B, LC, ep, rpl)
                 else:
                     early_k(Hx, w_h, tx, ce, by, B, ep)
-            T.call_extern("handle", "tkd_step", T.address_of(acc[0]), T.address_of(wb[(s % P) * 4 * VEC]),
-                          T.address_of(eb[(s % P) * mt * 8]))
-            if s + P < SPW:
-                load(E, W, wb, eb, warp, t, g, c0, by, B, s + P)
+            if ring:
+                c, q = divmod(s, RING_STEPS)
+                slot = warp * NS + c % NS
+                if q == 0:
+                    if c + NS - 1 < NC:
+                        fill(E, W, wr, er, bars, warp, panel, by, c + NS - 1)
+                    T.mbarrier_wait_parity(bars[slot], (c // NS) % 2)
+                T.call_extern("handle", "tkd_ring_step", T.address_of(acc[0]),
+                              T.address_of(wr[(slot * RING_STEPS + q) * 16, 0]), T.address_of(er[slot * 16, 0]), q,
+                              lane)
+            else:
+                T.call_extern("handle", "tkd_step", T.address_of(acc[0]), T.address_of(wb[(s % P) * 4 * VEC]),
+                              T.address_of(eb[(s % P) * mt * 8]))
+                if s + P < SPW:
+                    load(E, W, wb, eb, warp, t, g, c0, by, B, s + P)
 
     @T.macro
     def stamp(Ctr, tx, stamps, i: int, dep=0.0):
@@ -818,26 +910,36 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
 
     @T.macro
     def reduce_tile(acc, red, out, tx):
-        """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8)."""
+        """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8).
+        ``red`` (float32, nw x MR x RS) is addressed by raw offsets: with the ring it lies in the ring's bytes, whose
+        swizzled layout TileLang would otherwise apply to it."""
+        rb = T.address_of(red[0, 0]) if ring else T.address_of(red[0])
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
         t = lane % 4
+        if ring:
+            T.sync_threads()  # red lies in the W ring: every warp has read its last slot
         for m in T.unroll(mt):
             for h in T.unroll(2):
                 for half in T.unroll(2):
                     for j in T.unroll(VEC):
-                        red[warp, m * 16 + h * 8 + g, t * 16 + half * VEC + j] = acc[(m * 8 + j) * 4 + h * 2 + half]
+                        if ring:  # standard fragments: column 8 j + 2 t + half
+                            T.call_extern("handle", "tkd_st_f32", rb, (warp * MR + m * 16 + h * 8 + g) * RS + j * 8 + 2 * t + half,
+                                          acc[(m * 8 + j) * 4 + h * 2 + half])
+                        else:
+                            T.call_extern("handle", "tkd_st_f32", rb, (warp * MR + m * 16 + h * 8 + g) * RS + t * 16 + half * VEC + j,
+                                          acc[(m * 8 + j) * 4 + h * 2 + half])
         T.sync_threads()
         cv = tx % nv
         for i in T.unroll(items):
             r = tx // nv + i * rstep
             if r < MR:
                 for e in T.unroll(VEC):
-                    out[i * VEC + e] = red[0, r, cv * VEC + e]
+                    out[i * VEC + e] = T.call_extern(f32, "tkd_ld_f32", rb, r * RS + cv * VEC + e)
                 for w in T.unroll(1, nw):
                     for e in T.unroll(VEC):
-                        out[i * VEC + e] += red[w, r, cv * VEC + e]
+                        out[i * VEC + e] += T.call_extern(f32, "tkd_ld_f32", rb, (w * MR + r) * RS + cv * VEC + e)
 
     @T.prim_func
     def main(
@@ -856,8 +958,16 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         eps: T.float32,
     ):
         with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=_gemv_prelude(mt, dtype)) as (bx, by):
-            red = T.alloc_shared((nw, MR, RS), f32)
             ep = T.alloc_shared((threads, EPW), dtype)
+            if ring:
+                wr = T.alloc_shared((nw * NS * 16 * RING_STEPS, GEMV_PANEL), dtype)
+                er = T.alloc_shared((nw * NS * 16, 16 * RING_STEPS), dtype)
+                bars = T.alloc_barrier([32] * (nw * NS))
+                T.annotate_layout({wr: tl_layout.make_swizzled_layout(wr), er: tl_layout.make_swizzled_layout(er)})
+                red = wr  # the reduction tile lies in the W ring's bytes, once every warp has left its loop
+            else:
+                wr = er = bars = None
+                red = T.alloc_shared((nw * MR * RS,), f32)
             lv = T.alloc_local((1,), "uint32")
             acc = T.alloc_local((mt * 32,), f32)
             wb = T.alloc_local((P * 4 * VEC,), dtype)
@@ -881,7 +991,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             stamp(Ctr, tx, stamps, 0)
             if bx < NP:
                 c0 = bx * GEMV_PANEL + cv * VEC
-                mainloop(E, WK, acc, wb, eb, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, False)
+                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, False)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
                 T.call_extern("handle", "tkd_cp_wait")
@@ -918,7 +1028,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             else:
                 panel = bx - NP
                 c0 = panel * GEMV_PANEL + cv * VEC
-                mainloop(E, WV, acc, wb, eb, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, True)
+                mainloop(E, WV, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, True)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
                 for i in T.unroll(items):
@@ -1015,6 +1125,11 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
     if B <= GEMV_MAX_BATCH:
         cfg = gemv_config(B, d_mem, d)
         tiles = ceil_div(B, 16 * cfg["mt"])
+        # the W ring only where the grid is at most one CTA per SM (with two it measured slower: PERF-NOTES session
+        # 28) and its slots fit beside the epilogue's operands
+        if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
+                            or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] > GEMV_RING_SMEM):
+            cfg["ring"] = 0
         fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps)[2] <= MAX_SMEM_PER_BLOCK
         if fits and _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
             return "gemv", cfg
