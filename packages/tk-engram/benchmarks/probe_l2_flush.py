@@ -30,8 +30,8 @@ ITERS = 30
 FLUSH = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
 FLUSHES = {"dirty": FLUSH.zero_, "clean": lambda: FLUSH.sum()}
 # (warps, k16 steps in flight per warp, CTAs per SM, W ring slots per warp: 0 for the register-direct loads); the
-# first is gemv_config's. The grid is one CTA per panel (128 at d=4096, 224 at d=7168), so the warps per SM are set
-# by the CTA size.
+# first is decode_plan's at d=4096, the second at d=7168. The grid is one CTA per panel (128 at d=4096, 224 at
+# d=7168), so the warps per SM are set by the CTA size.
 GEMV_CONFIGS = [(4, 8, 2, 2), (4, 8, 2, 0), (4, 8, 1, 3), (4, 8, 1, 4)]
 
 
@@ -121,7 +121,7 @@ def timeline():
         sums = decode.decode_scratch(B, d_mem, d, h.device, "gemv")[1]
         ctr = torch.zeros(decode._CTR_LEN, dtype=torch.int32, device="cuda")  # stamps in words the GEMV leaves
         k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=d_mem, d=d, taps=4, dilation=1,
-                                          timeline=True, **decode.gemv_config(B, d_mem, d))
+                                          timeline=True, **decode.decode_plan(B, d_mem, d)[1])
         fn = lambda k=k, ctr=ctr: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
         report(f"gemv(timeline) B={B} d={d}", fn, w_bytes(d_mem, d))
         np_ = ceil_div(d, decode.GEMV_PANEL)

@@ -18,7 +18,8 @@ Kernels (``decode_plan`` picks one path per shape; every sum has a fixed order, 
 are identical run to run):
 - up to ``GEMV_MAX_BATCH`` rows, one launch of ``decode_gemv_kernel``: one CTA per 64-column panel of W_K or
   W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K), or where the grid is one CTA
-  per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
+  per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate,
+  convolution and cache update. Measured
   8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
 - more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for
   both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the
@@ -599,12 +600,12 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
 RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 e rows x 128 B
 _RING_W, _RING_E = RING_STEPS * 16 * GEMV_PANEL * 2, RING_STEPS * 16 * 16 * 2  # bytes of a W ring slot's W, e
 GEMV_RING = 2  # W ring slots per warp: 4 to 8 k16 steps in flight
-GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB reserved each)
+GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB each kept)
 
 
 def ring_ok(mt: int, nw: int, d_mem: int, d: int) -> bool:
     """Whether ``decode_gemv_kernel`` can take the W ring: one m-tile, the same whole k16 steps for every warp,
-    whole 64-column panels (no bounds tests in the bulk copies)."""
+    whole 64-column panels (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros)."""
     return mt == 1 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
 
 
@@ -864,8 +865,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                  is_v: bool):
         """acc += this warp's rows of e @ W[:, panel]; the epilogue operands are copied to shared memory
         asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W).
-        With ``ring``, each step's W and e come from the warp's slot of the ring, refilled ``NS - 1`` steps ahead
-        (the slot the step before freed)."""
+        With ``ring``, each step's W and e come from the warp's ring slot, refilled ``NS - 1`` chunks ahead (the
+        slot the chunk before freed)."""
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
@@ -925,10 +926,12 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                 for half in T.unroll(2):
                     for j in T.unroll(VEC):
                         if ring:  # standard fragments: column 8 j + 2 t + half
-                            T.call_extern("handle", "tkd_st_f32", rb, (warp * MR + m * 16 + h * 8 + g) * RS + j * 8 + 2 * t + half,
+                            T.call_extern("handle", "tkd_st_f32", rb,
+                                          (warp * MR + m * 16 + h * 8 + g) * RS + j * 8 + 2 * t + half,
                                           acc[(m * 8 + j) * 4 + h * 2 + half])
                         else:
-                            T.call_extern("handle", "tkd_st_f32", rb, (warp * MR + m * 16 + h * 8 + g) * RS + t * 16 + half * VEC + j,
+                            T.call_extern("handle", "tkd_st_f32", rb,
+                                          (warp * MR + m * 16 + h * 8 + g) * RS + t * 16 + half * VEC + j,
                                           acc[(m * 8 + j) * 4 + h * 2 + half])
         T.sync_threads()
         cv = tx % nv
@@ -970,8 +973,9 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                 red = T.alloc_shared((nw * MR * RS,), f32)
             lv = T.alloc_local((1,), "uint32")
             acc = T.alloc_local((mt * 32,), f32)
-            wb = T.alloc_local((P * 4 * VEC,), dtype)
-            eb = T.alloc_local((P * mt * 8,), dtype)
+            # the register path's W and e pipeline (the ring has its own in shared memory)
+            wb = None if ring else T.alloc_local((P * 4 * VEC,), dtype)
+            eb = None if ring else T.alloc_local((P * mt * 8,), dtype)
             out = T.alloc_local((items * VEC,), f32)
             part = T.alloc_local((items * 4,), f32)
             tv = T.alloc_local((4,), f32)
@@ -991,7 +995,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             stamp(Ctr, tx, stamps, 0)
             if bx < NP:
                 c0 = bx * GEMV_PANEL + cv * VEC
-                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, False)
+                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
+                         False)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
                 T.call_extern("handle", "tkd_cp_wait")
@@ -1028,7 +1033,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             else:
                 panel = bx - NP
                 c0 = panel * GEMV_PANEL + cv * VEC
-                mainloop(E, WV, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl, True)
+                mainloop(E, WV, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep,
+                         rpl, True)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
                 for i in T.unroll(items):
