@@ -629,6 +629,14 @@ def _gemv_prelude(mt: int, dtype: str) -> str:
     """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles, the W load, the counter."""
     ab = "bf16" if dtype == "bfloat16" else "f16"
     return SILU_APPROX + _CLUSTER + rf"""
+// c += a b: mma.m16n8k16, float32 accumulation.
+__device__ __forceinline__ void tkd_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                        unsigned b1) {{
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "
+      "{{%0,%1,%2,%3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}
 // One k16 step: W rows 4t..4t+3 (4 x 16 B, columns 8g..8g+7) in w, e rows g / g+8 (8 B each, per m-tile) in e.
 __device__ __forceinline__ void tkd_step(float* acc, const void* wp, const void* ep) {{
   const unsigned* w = reinterpret_cast<const unsigned*>(wp);
@@ -640,13 +648,8 @@ __device__ __forceinline__ void tkd_step(float* acc, const void* wp, const void*
     const unsigned b0 = __byte_perm(w[j / 2], w[4 + j / 2], sel);
     const unsigned b1 = __byte_perm(w[8 + j / 2], w[12 + j / 2], sel);
 #pragma unroll
-    for (int m = 0; m < {mt}; ++m) {{
-      float* c = acc + (m * 8 + j) * 4;
-      asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "
-          "{{%0,%1,%2,%3}};"
-          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-          : "r"(e[m * 4 + 0]), "r"(e[m * 4 + 2]), "r"(e[m * 4 + 1]), "r"(e[m * 4 + 3]), "r"(b0), "r"(b1));
-    }}
+    for (int m = 0; m < {mt}; ++m)
+      tkd_mma(acc + (m * 8 + j) * 4, e[m * 4 + 0], e[m * 4 + 2], e[m * 4 + 1], e[m * 4 + 3], b0, b1);
   }}
 }}
 // W is read once: no L1 allocation (plain LDG measured 5-11 % slower).
@@ -674,13 +677,7 @@ __device__ __forceinline__ void tkd_ring_step(float* acc, const void* wslot, con
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                  : "r"(ws + r * 128 + (((j + (lane >> 4)) ^ (r & 7)) << 4)));
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {{
-      float* c = acc + (j + n) * 4;
-      asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, "
-          "{{%0,%1,%2,%3}};"
-          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[2 * n]), "r"(b[2 * n + 1]));
-    }}
+    for (int n = 0; n < 2; ++n) tkd_mma(acc + (j + n) * 4, a[0], a[1], a[2], a[3], b[2 * n], b[2 * n + 1]);
   }}
 }}
 __device__ __forceinline__ void tkd_st_f32(void* base, int i, float v) {{ static_cast<float*>(base)[i] = v; }}
@@ -783,11 +780,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     rstep = threads // nv
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
-    assert not ring or nw * MR * RS <= nw * min(ring, ceil_div(SPW, RING_STEPS)) * _RING_W // 4, "red must fit the ring"
     assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
     assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs one m-tile and whole k16 steps and panels"
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
+    assert not ring or nw * MR * RS * 4 <= nw * NS * _RING_W, "the reduction tile must fit in the ring's W bytes"
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
