@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tk_core import config
 from tk_core.jit import ARCHS
 from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph
 from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes
@@ -212,8 +213,16 @@ def test_decode_plan_cpu():
     for d in (200, 1088, 4096, 7168):
         for B in (1, 3, 8, 13, 16):
             assert decode.decode_plan(B, 2048, d)[0] == "gemv"
-        assert decode.decode_plan(17, 2048, d)[0] == "fused"
-        assert decode.decode_plan(64, 2048, d)[0] == ("two_launch" if d <= 4096 else "fused")
+        # more rows: the GEMV with the W ring (whole panels, one CTA per SM), else the fused kernel or two launches
+        ring = d in (1088, 4096)
+        assert decode.decode_plan(17, 2048, d)[0] == ("gemv" if ring else "fused")
+        assert decode.decode_plan(32, 2048, d)[0] == ("gemv" if ring else "two_launch" if d <= 4096 else "fused")
+        assert decode.decode_plan(33, 2048, d)[0] == ("two_launch" if d <= 4096 else "fused")
+    for B in (17, 32):
+        assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=2, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING)
+    assert decode.decode_plan(17, 2040, 4096)[0] == "fused"  # d_mem: no whole ring chunks per warp
+    assert decode.decode_plan(32, 2040, 4096)[0] == "two_launch"
+    assert decode.decode_plan(32, 2048, 4096, 127)[0] == "two_launch"  # 128 CTAs would not fit one per SM
     assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
     assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
     # the W ring: whole panels and k16 steps, one CTA per SM, room beside the epilogue's operands at 2 CTAs per SM
@@ -226,6 +235,8 @@ def test_decode_plan_cpu():
         assert (decode._gemv_epilogue(1, 4, taps, decode.GEMV_RING)[2] <= decode.GEMV_RING_SMEM) == (ring > 0)
     part, sums = decode.decode_scratch(8, 2048, 7168, "cpu")
     assert part.numel() == 0 and sums.shape == (8, 112, 4)
+    part, sums = decode.decode_scratch(32, 2048, 4096, "cpu")
+    assert part.numel() == 0 and sums.shape == (32, 64, 4)
     part, sums = decode.decode_scratch(64, 2048, 7168, "cpu")
     assert part.shape == (decode.fused_config(64, 2048, 7168)["splits"], 2, 64, 7168) and sums.shape == (64, 112, 4)
 
@@ -307,9 +318,13 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d == 4096)
     assert ("tkd_ldw((" in src) != (cfg["ring"] > 0)
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
-    path, cfg = decode.decode_plan(17, d_mem, d)  # block_m 64, as at B=64 (d = 7168)
-    assert path == "fused" and cfg == decode.fused_config(64, d_mem, d)
-    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **cfg)
+    path, cfg = decode.decode_plan(32, d_mem, d)  # 2 m-tiles through the W ring where the shape allows it
+    if d == 4096:
+        assert path == "gemv" and cfg["mt"] == 2 and cfg["ring"] > 0
+        src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
+        assert "tma_load(" in src and "tkd_ring_step(" in src
+    # block_m 64, as at B=64 (d = 7168); from 17 rows where the ring does not apply
+    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **decode.fused_config(64, d_mem, d))
     assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
     for B in (1, 64):  # the two-launch path: large batches, and smaller GPUs
         cfg = decode.proj_config(B, d_mem, d)
@@ -551,7 +566,11 @@ DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.b
                 # 53 taps: the GEMV kernel's epilogue operands would overflow shared memory, so the fused path
                 (2, 64, 200, 53, 1, torch.bfloat16), (2, 64, 200, 52, 1, torch.bfloat16),
                 # the GEMV's W ring: a full row tile, and one slot of k16 steps per warp
-                (16, 256, 4096, 4, 2, torch.bfloat16), (1, 256, 640, 4, 1, torch.float16)]
+                (16, 256, 4096, 4, 2, torch.bfloat16), (1, 256, 640, 4, 1, torch.float16),
+                # the ring with 2 m-tiles (one row of the second; both full), and the fused kernel where the ring
+                # does not apply (d_mem 520)
+                (17, 256, 640, 4, 2, torch.float16), (32, 512, 4096, 4, 1, torch.bfloat16),
+                (24, 520, 4096, 4, 2, torch.bfloat16)]
 
 
 def _decode_inputs(B, d_mem, d, taps, dtype):
@@ -657,10 +676,17 @@ def test_gpu_prefill_then_decode_equals_full_prefill(taps, dilation):
 
 
 @pytest.mark.gpu
-def test_gpu_decode_opcheck_compile_graph():
+@pytest.mark.parametrize("B,d_mem,d,ring", [(4, 64, 200, False), (4, 256, 4096, True), (20, 256, 4096, True)])
+def test_gpu_decode_opcheck_compile_graph(B, d_mem, d, ring):
+    """Both GEMV paths (register loads; the TMA ring, whose descriptors are kernel parameters built per launch)
+    under opcheck, torch.compile and CUDA-graph replay."""
     from tk_engram import decode
 
-    B, d_mem, d = 4, 64, 200
+    sms = config.get_num_sms(torch.cuda.current_device())
+    path, cfg = decode.decode_plan(B, d_mem, d, min(decode._SMS, sms))
+    if ring and not cfg.get("ring"):
+        pytest.skip(f"{sms} SMs: decode_plan takes no W ring at d={d}")
+    assert path == "gemv" and bool(cfg["ring"]) == ring
     e, h, WK, WV, wh, wv, cw = _decode_inputs(B, d_mem, d, 4, torch.bfloat16)
     state, pos = init_decode_state(B, d, 4, 1, device="cuda")
     tmp = [*decode.decode_scratch(B, d_mem, d, "cuda"), torch.empty(B, d, device="cuda", dtype=torch.bfloat16)]

@@ -20,13 +20,15 @@ are identical run to run):
   W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K), or where the grid is one CTA
   per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate,
   convolution and cache update. Measured
-  8-13 % faster than the fused kernel at B = 1 / 8 on the H200, slower at B = 64 (its docstring).
-- more rows (at d <= 4096: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core projection for
-  both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32 partials so that the
-  grid fills the GPU) whose last CTA per panel (an arrival counter) sums the partials in a fixed order, publishes
-  the panel's row sums and, after a barrier among the panel finishers, does the gate, convolution and cache
-  update for its columns.
-- 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``), and whenever there are too
+  8-13 % faster than the fused kernel at B = 1 / 8 on the H200 (its docstring). With the ring (d <= 4224, d_mem a
+  multiple of 256) the same launch takes up to ``GEMV_RING_MAX_BATCH`` rows, all in one CTA per panel.
+- more rows (at d <= 4096 without the ring: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core
+  projection for both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32
+  partials so that the grid fills the GPU) whose last CTA per panel (an arrival counter) sums the partials in a
+  fixed order, publishes the panel's row sums and, after a barrier among the panel finishers, does the gate,
+  convolution and cache update for its columns.
+- 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``; without the ring, or more than
+  ``GEMV_RING_MAX_BATCH`` rows), and whenever there are too
   many waiting CTAs for the SMs, two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER`` CTAs per
   row (``decode_step_kernel``).
 Runtime: batch, L, positions, eps. The sigmoid of the gate and the SiLU come from the hardware's approximate exp2
@@ -580,9 +582,14 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
     return main
 
 
-# Small batches: the register-direct GEMV (``decode_gemv_kernel``). Its counters are two words per row tile from
-# _GEMV_CTR on (the fused kernel's lie below); the last V CTA of a row tile to leave zeroes both.
-GEMV_MAX_BATCH = 16
+# Small batches: the GEMV (``decode_gemv_kernel``). Its counters are two words per row tile from _GEMV_CTR on (the
+# fused kernel's lie below); the last V CTA of a row tile to leave zeroes both.
+GEMV_MAX_BATCH = 16  # one m-tile per CTA
+# With the W ring (one CTA per SM), all rows in one row tile of up to 2 m-tiles (H200, d_mem 2048, d=4096, dirty L2,
+# session 29): B = 17 / 32 18.0 / 18.3 us against 20.5 (fused) / 21.0 (two launches); 4 m-tiles (B=64, 228 registers)
+# 22.0 against the two launches' 21.7: the loop ran 16.3 us instead of 12.1, the V CTAs' epilogue 2.75 us (1.2 at one
+# m-tile), and starting each CTA at another chunk (the same e columns read by fewer CTAs at once) did not help.
+GEMV_RING_MAX_BATCH = 32
 GEMV_PANEL = 64  # columns per CTA: a W row segment is 8 lanes x 16 B
 _GEMV_CTR = _CTR_LEN // 2
 TIMELINE_STAMPS = 7  # per CTA of ``decode_gemv_kernel(timeline=True)``
@@ -593,20 +600,24 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     CTA, 4 warps with 8 k16 steps of W in flight each (8 KiB per warp), 2 CTAs per SM. 8 warps at depth 8
     (1 CTA/SM at d=4096) or depth 4 (2 CTAs/SM at d=7168) took 5-20 % longer, 16 warps at depth 3 longer still.
     ``ring``: ``GEMV_RING`` slots per warp where ``ring_ok`` (``decode_plan`` drops it where it measured slower or
-    does not fit)."""
-    return dict(mt=1, nw=4, depth=8, min_blocks=2, ring=GEMV_RING if ring_ok(1, 4, d_mem, d) else 0)
+    does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt`` =
+    ceil(B / 16) m-tiles, 32 mt accumulators per thread, 1 CTA per SM); ``decode_plan`` takes that only with the
+    ring."""
+    mt = ceil_div(max(B, 1), 16) if B > GEMV_MAX_BATCH else 1
+    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=GEMV_RING if ring_ok(mt, 4, d_mem, d) else 0)
 
 
-RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 e rows x 128 B
-_RING_W, _RING_E = RING_STEPS * 16 * GEMV_PANEL * 2, RING_STEPS * 16 * 16 * 2  # bytes of a W ring slot's W, e
+RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 mt e rows x 128 B
+_RING_W, _RING_E = RING_STEPS * 16 * GEMV_PANEL * 2, RING_STEPS * 16 * 16 * 2  # bytes of a slot's W, e per m-tile
 GEMV_RING = 2  # W ring slots per warp: 4 to 8 k16 steps in flight
 GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB each kept)
 
 
 def ring_ok(mt: int, nw: int, d_mem: int, d: int) -> bool:
-    """Whether ``decode_gemv_kernel`` can take the W ring: one m-tile, the same whole k16 steps for every warp,
-    whole 64-column panels (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros)."""
-    return mt == 1 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
+    """Whether ``decode_gemv_kernel`` can take the W ring: up to 4 m-tiles (the registers of 128 accumulators; the
+    op takes at most 2, ``GEMV_RING_MAX_BATCH``), the same whole k16 steps for every warp, whole 64-column panels (the TMA boxes need no bounds beyond the batch rows,
+    which TMA fills with zeros)."""
+    return mt <= 4 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
 
 
 def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0) -> tuple[int, int, int]:
@@ -616,8 +627,8 @@ def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0) -> tuple[int, int
     threads, nv = 32 * nw, GEMV_PANEL // VEC
     items = ceil_div(16 * mt * nv, threads)
     epw = VEC * max(1 + items, 1 + taps + items * (taps - 1))
-    red = nw * 16 * mt * (GEMV_PANEL + 4) * 4  # in the ring's W bytes when there is a ring
-    return items, epw, max(red, nw * ring * _RING_W) + nw * ring * _RING_E + threads * epw * 2
+    red = nw * 16 * (1 if ring else mt) * (GEMV_PANEL + 4) * 4  # with the ring: one m-tile in the ring's W bytes
+    return items, epw, max(red, nw * ring * _RING_W) + nw * ring * mt * _RING_E + threads * epw * 2
 
 
 def _static(n: int) -> tuple:
@@ -660,16 +671,18 @@ __device__ __forceinline__ void tkd_ldw(void* dst, const void* src) {{
   *reinterpret_cast<uint4*>(dst) = v;
 }}
 // The W ring (``ring`` > 0): slots of RING_STEPS k16 steps, TMA's 128-byte swizzle (the 16-byte chunk c of row r at
-// r * 128 + (c ^ (r & 7)) * 16): the W rows (16 per step, 128 B each: step q at ``wslot``) and the e rows (16 rows of
-// 128 B, step q in chunks 2q, 2q + 1), read with ldmatrix into the standard mma fragments (k in order):
-// acc[4 j + 2 h + q] is row g + 8 h, column 8 j + 2 t + q.
+// r * 128 + (c ^ (r & 7)) * 16): the W rows (16 per step, 128 B each: step q at ``wslot``) and the e rows (16 per
+// m-tile, 128 B each, step q in chunks 2q, 2q + 1), read with ldmatrix into the standard mma fragments (k in order):
+// acc[4 (8 m + j) + 2 h + q] is row 16 m + g + 8 h, column 8 j + 2 t + q.
 __device__ __forceinline__ void tkd_ring_step(float* acc, const void* wslot, const void* eslot, int q, int lane) {{
   const unsigned ws = tk_smem(wslot), es = tk_smem(eslot);
   const int r = (lane & 7) + ((lane >> 3) & 1) * 8;  // the row whose address this lane gives ldmatrix
-  unsigned a[4];
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0,%1,%2,%3}}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(es + r * 128 + (((2 * q + (lane >> 4)) ^ (r & 7)) << 4)));
+  unsigned a[{mt}][4];
+#pragma unroll
+  for (int m = 0; m < {mt}; ++m)  // row 16 m + r swizzles as row r
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{%0,%1,%2,%3}}, [%4];"
+                 : "=r"(a[m][0]), "=r"(a[m][1]), "=r"(a[m][2]), "=r"(a[m][3])
+                 : "r"(es + (16 * m + r) * 128 + (((2 * q + (lane >> 4)) ^ (r & 7)) << 4)));
 #pragma unroll
   for (int j = 0; j < 8; j += 2) {{
     unsigned b[4];
@@ -677,7 +690,10 @@ __device__ __forceinline__ void tkd_ring_step(float* acc, const void* wslot, con
                  : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                  : "r"(ws + r * 128 + (((j + (lane >> 4)) ^ (r & 7)) << 4)));
 #pragma unroll
-    for (int n = 0; n < 2; ++n) tkd_mma(acc + (j + n) * 4, a[0], a[1], a[2], a[3], b[2 * n], b[2 * n + 1]);
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int m = 0; m < {mt}; ++m)
+        tkd_mma(acc + (8 * m + j + n) * 4, a[m][0], a[m][1], a[m][2], a[m][3], b[2 * n], b[2 * n + 1]);
   }}
 }}
 __device__ __forceinline__ void tkd_st_f32(void* base, int i, float v) {{ static_cast<float*>(base)[i] = v; }}
@@ -741,10 +757,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       one 8-byte load per row. The accumulators of n-tile j hold columns 16t + j and 16t + 8 + j of rows g, g + 8.
     - Or, with ``ring`` (slots per warp), W and e go through shared memory: each warp's ring slot holds
       ``RING_STEPS`` k16 steps, filled by two TMA copies (64 W rows x 128 B, 128-byte swizzle; e's 64 columns of
-      the 16 batch rows, zeros past the batch) that one mbarrier per slot counts; the warp refills a slot once it
+      the 16 mt batch rows, zeros past the batch) that one mbarrier per slot counts; the warp refills a slot once it
       has read the chunk before (``__syncwarp``) and reads its operands with ldmatrix (standard fragments: n-tile j
-      holds columns 8j + 2t, + 1). No scoreboard drains the loads in flight (the register path's limit, PERF-NOTES
-      session 27). The reduction tile then reuses the ring's bytes. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
+      holds columns 8j + 2t, + 1; each W fragment feeds all ``mt`` m-tiles). No scoreboard drains the loads in
+      flight (the register path's limit, PERF-NOTES session 27). The reduction tile then reuses the ring's bytes,
+      one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
       from a clean L2, 16.05 -> 16.2 after the benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9
       clean but 22.7 -> 25.2 dirty (session 28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
     - The warps' tiles are summed in shared memory in warp order (deterministic, like every sum below).
@@ -784,7 +801,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs one m-tile and whole k16 steps and panels"
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
-    assert not ring or nw * MR * RS * 4 <= nw * NS * _RING_W, "the reduction tile must fit in the ring's W bytes"
+    assert not ring or nw * 16 * RS * 4 <= nw * NS * _RING_W, "an m-tile's reduction must fit in the ring's W bytes"
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -853,7 +870,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         T.call_extern("handle", "__syncwarp")
         T.tma_copy(W[row0:row0 + KR, panel * GEMV_PANEL:(panel + 1) * GEMV_PANEL], wr[slot * KR:slot * KR + KR, :],
                    barrier=bars[slot], leader_scope_threads=32)
-        T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * 16:slot * 16 + 16, :], barrier=bars[slot],
+        T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * MR:slot * MR + MR, :], barrier=bars[slot],
                    leader_scope_threads=32)
         T.barrier_arrive(bars[slot])
 
@@ -892,7 +909,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                         fill(E, W, wr, er, bars, warp, panel, by, c + NS - 1)
                     T.mbarrier_wait_parity(bars[slot], (c // NS) % 2)
                 T.call_extern("handle", "tkd_ring_step", T.address_of(acc[0]),
-                              T.address_of(wr[(slot * RING_STEPS + q) * 16, 0]), T.address_of(er[slot * 16, 0]), q,
+                              T.address_of(wr[(slot * RING_STEPS + q) * 16, 0]), T.address_of(er[slot * MR, 0]), q,
                               lane)
             else:
                 T.call_extern("handle", "tkd_step", T.address_of(acc[0]), T.address_of(wb[(s % P) * 4 * VEC]),
@@ -909,37 +926,44 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     @T.macro
     def reduce_tile(acc, red, out, tx):
         """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8).
-        ``red`` (float32, nw x MR x RS) is addressed by raw offsets: with the ring it lies in the ring's bytes, whose
-        swizzled layout TileLang would otherwise apply to it."""
+        ``red`` (float32, nw x TR x RS) is addressed by raw offsets: with the ring it lies in the ring's bytes, whose
+        swizzled layout TileLang would otherwise apply to it, and holds one m-tile at a time (TR = 16 rows; else
+        TR = MR, all m-tiles at once)."""
         rb = T.address_of(red[0, 0]) if ring else T.address_of(red[0])
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
         t = lane % 4
-        if ring:
-            T.sync_threads()  # red lies in the W ring: every warp has read its last slot
-        for m in T.unroll(mt):
-            for h in T.unroll(2):
-                for half in T.unroll(2):
-                    for j in T.unroll(VEC):
-                        if ring:  # standard fragments: column 8 j + 2 t + half
-                            T.call_extern("handle", "tkd_st_f32", rb,
-                                          (warp * MR + m * 16 + h * 8 + g) * RS + j * 8 + 2 * t + half,
-                                          acc[(m * 8 + j) * 4 + h * 2 + half])
-                        else:
-                            T.call_extern("handle", "tkd_st_f32", rb,
-                                          (warp * MR + m * 16 + h * 8 + g) * RS + t * 16 + half * VEC + j,
-                                          acc[(m * 8 + j) * 4 + h * 2 + half])
-        T.sync_threads()
         cv = tx % nv
-        for i in T.unroll(items):
-            r = tx // nv + i * rstep
-            if r < MR:
-                for e in T.unroll(VEC):
-                    out[i * VEC + e] = T.call_extern(f32, "tkd_ld_f32", rb, r * RS + cv * VEC + e)
-                for w in T.unroll(1, nw):
+        for pas in _static(mt if ring else 1):
+            if ring:
+                T.sync_threads()  # red lies in the W ring: every warp has read its last slot (and m-tile pas - 1)
+            for m in _static(mt):
+                if not ring or m == pas:
+                    tr = 16 if ring else MR
+                    row = warp * tr + (0 if ring else m * 16) + g
+                    for h in T.unroll(2):
+                        for half in T.unroll(2):
+                            for j in T.unroll(VEC):
+                                if ring:  # standard fragments: column 8 j + 2 t + half
+                                    T.call_extern("handle", "tkd_st_f32", rb,
+                                                  (row + h * 8) * RS + j * 8 + 2 * t + half,
+                                                  acc[(m * 8 + j) * 4 + h * 2 + half])
+                                else:
+                                    T.call_extern("handle", "tkd_st_f32", rb,
+                                                  (row + h * 8) * RS + t * 16 + half * VEC + j,
+                                                  acc[(m * 8 + j) * 4 + h * 2 + half])
+            T.sync_threads()
+            for i in T.unroll(items):
+                r = tx // nv + i * rstep
+                tr = 16 if ring else MR
+                if tirx.all(r < MR, r // 16 == pas) if ring else r < MR:
+                    rr = r % 16 if ring else r
                     for e in T.unroll(VEC):
-                        out[i * VEC + e] += T.call_extern(f32, "tkd_ld_f32", rb, (w * MR + r) * RS + cv * VEC + e)
+                        out[i * VEC + e] = T.call_extern(f32, "tkd_ld_f32", rb, rr * RS + cv * VEC + e)
+                    for w in T.unroll(1, nw):
+                        for e in T.unroll(VEC):
+                            out[i * VEC + e] += T.call_extern(f32, "tkd_ld_f32", rb, (w * tr + rr) * RS + cv * VEC + e)
 
     @T.prim_func
     def main(
@@ -961,7 +985,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             ep = T.alloc_shared((threads, EPW), dtype)
             if ring:
                 wr = T.alloc_shared((nw * NS * 16 * RING_STEPS, GEMV_PANEL), dtype)
-                er = T.alloc_shared((nw * NS * 16, 16 * RING_STEPS), dtype)
+                er = T.alloc_shared((nw * NS * MR, 16 * RING_STEPS), dtype)
                 bars = T.alloc_barrier([32] * (nw * NS))
                 T.annotate_layout({wr: tl_layout.make_swizzled_layout(wr), er: tl_layout.make_swizzled_layout(er)})
                 red = wr  # the reduction tile lies in the W ring's bytes, once every warp has left its loop
@@ -1120,21 +1144,24 @@ TWO_LAUNCH_MAX_D = 4096
 
 def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> tuple[str, dict]:
     """(path, tuning) of a decode step with ``taps`` conv taps: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH``
-    rows while its epilogue operands fit in shared memory (up to 52 taps); ("two_launch",
+    rows while its epilogue operands fit in shared memory (up to 52 taps), and up to ``GEMV_RING_MAX_BATCH`` rows
+    where the W ring applies with two m-tiles (one CTA per SM, up to 22 taps); ("two_launch",
     ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
     ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
     ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
     actual GPU's SMs (shape logic only here: it also runs under torch.compile)."""
-    if B <= GEMV_MAX_BATCH:
+    if B <= GEMV_RING_MAX_BATCH:
         cfg = gemv_config(B, d_mem, d)
         tiles = ceil_div(B, 16 * cfg["mt"])
         # the W ring only where the grid is at most one CTA per SM (with two it measured slower: PERF-NOTES session
-        # 28) and its slots fit beside the epilogue's operands
+        # 28) and its slots fit beside the epilogue's operands (at 2 CTAs per SM for one m-tile)
+        smem = GEMV_RING_SMEM if cfg["min_blocks"] == 2 else MAX_SMEM_PER_BLOCK
         if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
-                            or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] > GEMV_RING_SMEM):
+                            or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] > smem):
             cfg["ring"] = 0
-        fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps)[2] <= MAX_SMEM_PER_BLOCK
-        if fits and _waiters(B, d, 16 * cfg["mt"]) < sms and _GEMV_CTR + 2 * tiles <= _CTR_LEN:
+        fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] <= MAX_SMEM_PER_BLOCK
+        if ((cfg["mt"] == 1 or cfg["ring"]) and fits and _waiters(B, d, 16 * cfg["mt"]) < sms
+                and _GEMV_CTR + 2 * tiles <= _CTR_LEN):
             return "gemv", cfg
     if B >= TWO_LAUNCH_MIN_BATCH and d <= TWO_LAUNCH_MAX_D:
         return "two_launch", proj_config(B, d_mem, d)
