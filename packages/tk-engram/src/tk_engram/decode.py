@@ -603,8 +603,9 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt`` =
     ceil(B / 16) m-tiles, 32 mt accumulators per thread, 1 CTA per SM); ``decode_plan`` takes that only with the
     ring."""
-    mt = ceil_div(max(B, 1), 16) if B > GEMV_MAX_BATCH else 1
-    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=GEMV_RING if ring_ok(mt, 4, d_mem, d) else 0)
+    mt = ceil_div(B, 16) if B > GEMV_MAX_BATCH else 1
+    ring = GEMV_RING if ring_ok(mt, 4, d_mem, d) else 0
+    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring)
 
 
 RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 mt e rows x 128 B
@@ -615,8 +616,8 @@ GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2
 
 def ring_ok(mt: int, nw: int, d_mem: int, d: int) -> bool:
     """Whether ``decode_gemv_kernel`` can take the W ring: up to 4 m-tiles (the registers of 128 accumulators; the
-    op takes at most 2, ``GEMV_RING_MAX_BATCH``), the same whole k16 steps for every warp, whole 64-column panels (the TMA boxes need no bounds beyond the batch rows,
-    which TMA fills with zeros)."""
+    op takes at most 2, ``GEMV_RING_MAX_BATCH``), the same whole k16 steps for every warp, whole 64-column panels
+    (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros)."""
     return mt <= 4 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
 
 
@@ -798,7 +799,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
     assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
-    assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs one m-tile and whole k16 steps and panels"
+    assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs <= 4 m-tiles, whole k16 steps and panels"
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
     assert not ring or nw * 16 * RS * 4 <= nw * NS * _RING_W, "an m-tile's reduction must fit in the ring's W bytes"
@@ -935,12 +936,12 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         g = lane // 4
         t = lane % 4
         cv = tx % nv
+        tr = 16 if ring else MR  # rows of a warp's tile in red
         for pas in _static(mt if ring else 1):
             if ring:
                 T.sync_threads()  # red lies in the W ring: every warp has read its last slot (and m-tile pas - 1)
             for m in _static(mt):
                 if not ring or m == pas:
-                    tr = 16 if ring else MR
                     row = warp * tr + (0 if ring else m * 16) + g
                     for h in T.unroll(2):
                         for half in T.unroll(2):
@@ -956,7 +957,6 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             T.sync_threads()
             for i in T.unroll(items):
                 r = tx // nv + i * rstep
-                tr = 16 if ring else MR
                 if tirx.all(r < MR, r // 16 == pas) if ring else r < MR:
                     rr = r % 16 if ring else r
                     for e in T.unroll(VEC):
