@@ -115,7 +115,7 @@ def timeline():
     for layout in ("panel", "panel_x2"):
         report_w_read(layout)
     d_mem = 2048
-    for B, d in ((1, 4096), (8, 4096), (1, 7168), (32, 4096)):
+    for B, d in ((1, 4096), (8, 4096), (1, 7168), (32, 4096), (64, 4096)):
         e, h, state, pos, WK, WV, wh, wv, cw = decode_inputs(B, d_mem, d)
         y = torch.empty_like(h)
         sums = decode.decode_scratch(B, d_mem, d, h.device, "gemv")[1]

@@ -4,14 +4,14 @@
 
 ``new`` launches what the op launches (``decode.decode_plan``: ``decode_gemv_kernel`` up to
 ``GEMV_MAX_BATCH`` rows, or up to ``GEMV_RING_MAX_BATCH`` with the W ring, else ``decode_fused_kernel`` or the two
-launches); ``old`` the dispatch before the ring took more than one m-tile (session 28: the GEMV up to
-``GEMV_MAX_BATCH`` rows, else the fused kernel or the two launches); ``two`` the two launches for every batch above
-``GEMV_MAX_BATCH``. Both paths are built
+launches); ``old`` the dispatch before the ring took more than two m-tiles (session 29: the GEMV up to 32 rows, else
+the fused kernel or the two launches); ``two`` the two launches for every batch above ``GEMV_MAX_BATCH``; ``mw2`` two
+warps per ring slot from 17 rows (one m-tile per warp at 17-32 rows). Both paths are built
 explicitly, every kernel in one ``tilelang.par_compile`` pool per factory, then each is checked against
 ``reference.decode_step_ref`` (the GPU test's tolerances, run-to-run bit equality, the GEMV counters back at
 zero) on the anchors (``new`` also on odd shapes: d = 200 / 1088, d_mem = 24 / 64 / 520, batch 0, 1, 3, 13, 17,
-fp16, dilation 2-3) and timed (CUPTI, L2 flushed) on batch 1, 8, 64 x d 4096, 7168 and 17, 32 x d 4096, d_mem
-2048. Line format:
+33, 50, fp16, dilation 2-3) and timed (CUPTI, L2 flushed) on batch 1, 8, 64 x d 4096, 7168 and 17, 32, 48 x d 4096,
+d_mem 2048. Line format:
 
     name[B=,d=] ok=<bool> us=<t> budget_us=<b> ratio=<b/t> GB/s=<W bytes/t> path=<kernel path> cfg=<tuning>
 
@@ -34,7 +34,7 @@ from tk_engram import decode, engram_decode_step, reference
 
 TAPS = 4
 COPY_GBPS = 4230  # H200 copy bandwidth (the anchor figures' measurement)
-ANCHORS = [(b, 2048, d) for d in (4096, 7168) for b in (1, 8, 64)] + [(17, 2048, 4096), (32, 2048, 4096)]
+ANCHORS = [(b, 2048, d) for d in (4096, 7168) for b in (1, 8, 64)] + [(b, 2048, 4096) for b in (17, 32, 48)]
 # (batch, d_mem, d, dilation, dtype), checked for ``new`` only (compile time): ragged d and d_mem, fp16, a partial
 # 64-row tile of the fused kernel, odd batches on the anchors' kernels (nothing more to compile)
 ODD = [
@@ -46,12 +46,14 @@ ODD = [
     (13, 2048, 7168, 1, torch.bfloat16),
     (32, 256, 640, 2, torch.float16),
     (24, 520, 4096, 1, torch.bfloat16),
+    (33, 512, 640, 2, torch.float16),
+    (50, 512, 4096, 3, torch.bfloat16),
 ]
 
 
 def old_plan(B, d_mem, d):
-    """The dispatch of session 28: the GEMV kernel up to ``GEMV_MAX_BATCH`` rows only."""
-    if B <= decode.GEMV_MAX_BATCH:
+    """The dispatch of session 29: the GEMV kernel up to 32 rows (two m-tiles, one warp per ring slot)."""
+    if B <= 32:
         return decode.decode_plan(B, d_mem, d)
     if B >= decode.TWO_LAUNCH_MIN_BATCH and d <= decode.TWO_LAUNCH_MAX_D:
         return "two_launch", decode.proj_config(B, d_mem, d)
@@ -68,8 +70,24 @@ def two_launch_plan(B, d_mem, d):
     return "two_launch", decode.proj_config(B, d_mem, d)
 
 
+def mw2_plan(B, d_mem, d):
+    """Two warps per ring slot wherever the GEMV takes more than one m-tile."""
+    path, cfg = decode.decode_plan(B, d_mem, d)
+    if path == "gemv" and cfg["mt"] > 1:
+        cfg = dict(cfg, mw=2)
+    return path, cfg
+
+
+def early_plan(B, d_mem, d):
+    """The ring kernels with the epilogue operands' copies (and the positions' loads) before the second chunk's."""
+    path, cfg = decode.decode_plan(B, d_mem, d)
+    if path == "gemv" and cfg["ring"]:
+        cfg = dict(cfg, late_cache=False)
+    return path, cfg
+
+
 # name -> plan(B, d_mem, d) -> (path, tuning)
-VARIANTS = {"new": decode.decode_plan, "old": old_plan, "two": two_launch_plan}
+VARIANTS = {"new": decode.decode_plan, "old": old_plan, "two": two_launch_plan, "mw2": mw2_plan, "early": early_plan}
 
 
 def keys_of(path, cfg, d_mem, d, dil, dt):

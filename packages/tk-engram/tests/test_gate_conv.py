@@ -217,12 +217,22 @@ def test_decode_plan_cpu():
         ring = d in (1088, 4096)
         assert decode.decode_plan(17, 2048, d)[0] == ("gemv" if ring else "fused")
         assert decode.decode_plan(32, 2048, d)[0] == ("gemv" if ring else "two_launch" if d <= 4096 else "fused")
-        assert decode.decode_plan(33, 2048, d)[0] == ("two_launch" if d <= 4096 else "fused")
+        for B in (33, 64):
+            assert decode.decode_plan(B, 2048, d)[0] == ("gemv" if ring else "two_launch" if d <= 4096 else "fused")
+        assert decode.decode_plan(65, 2048, d)[0] == "two_launch"
     for B in (17, 32):
-        assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=2, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING)
+        assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=2, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
+                                                            mw=1)
+    for B in (33, 48, 64):  # 4 m-tiles, two warps per ring slot
+        assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=4, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
+                                                            mw=2)
     assert decode.decode_plan(17, 2040, 4096)[0] == "fused"  # d_mem: no whole ring chunks per warp
     assert decode.decode_plan(32, 2040, 4096)[0] == "two_launch"
     assert decode.decode_plan(32, 2048, 4096, 127)[0] == "two_launch"  # 128 CTAs would not fit one per SM
+    assert decode.decode_plan(64, 2048, 4096, 127)[0] == "two_launch"
+    # two warps per slot: one m-tile of each warp's reduction tile needs two ring chunks per slot owner's W bytes
+    assert decode.decode_plan(33, 256, 4096)[0] == "two_launch" and decode.decode_plan(32, 256, 4096)[0] == "gemv"
+    assert decode.decode_plan(33, 512, 4096)[0] == "gemv"
     assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
     assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
     # the W ring: whole panels and k16 steps, one CTA per SM, room beside the epilogue's operands at 2 CTAs per SM
@@ -318,11 +328,12 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d == 4096)
     assert ("tkd_ldw((" in src) != (cfg["ring"] > 0)
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
-    path, cfg = decode.decode_plan(32, d_mem, d)  # 2 m-tiles through the W ring where the shape allows it
-    if d == 4096:
-        assert path == "gemv" and cfg["mt"] == 2 and cfg["ring"] > 0
-        src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
-        assert "tma_load(" in src and "tkd_ring_step(" in src
+    for B, mt, mw in ((32, 2, 1), (64, 4, 2)):  # 2 and 4 m-tiles through the W ring where the shape allows it
+        path, cfg = decode.decode_plan(B, d_mem, d)
+        if d == 4096:
+            assert path == "gemv" and (cfg["mt"], cfg["mw"]) == (mt, mw) and cfg["ring"] > 0
+            src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
+            assert "tma_load(" in src and "tkd_ring_step(" in src and ("tkd_bar_sync(" in src) == (mw > 1)
     # block_m 64, as at B=64 (d = 7168); from 17 rows where the ring does not apply
     src = assert_compiles(decode.decode_fused_kernel, arch, **p, **decode.fused_config(64, d_mem, d))
     assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
@@ -557,11 +568,12 @@ def test_gpu_opcheck_compile_and_cuda_graph(d):
 
 # GEMV kernel up to 16 rows (odd batches, ragged d = 200 and d_mem = 520, the anchors' d_mem at d = 7168, a full
 # 16-row tile at d = 1088); fused kernel with block_m 64 and a partial row tile (B=33, d=7168); the two launches at
-# B=33, d=4096 (32 rows or more at d <= 4096) and at B=70, d=7168 (too many panel finishers for the fused kernel).
+# B=65, d=1088 (33 rows or more where the ring does not take them, d <= 4096), B=40 with d_mem 256 (too few ring
+# chunks for two warps per slot) and at B=70, d=7168 (too many panel finishers for the fused kernel).
 DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.bfloat16),
                 (13, 2048, 7168, 4, 3, torch.bfloat16), (16, 520, 1088, 4, 2, torch.bfloat16),
-                (3, 24, 200, 4, 1, torch.bfloat16), (33, 1024, 4096, 4, 3, torch.bfloat16),
-                (33, 1024, 7168, 4, 2, torch.bfloat16),
+                (3, 24, 200, 4, 1, torch.bfloat16), (65, 256, 1088, 4, 3, torch.bfloat16),
+                (40, 256, 640, 4, 1, torch.float16), (33, 1024, 7168, 4, 2, torch.bfloat16),
                 (70, 512, 7168, 4, 3, torch.bfloat16),
                 # 53 taps: the GEMV kernel's epilogue operands would overflow shared memory, so the fused path
                 (2, 64, 200, 53, 1, torch.bfloat16), (2, 64, 200, 52, 1, torch.bfloat16),
@@ -570,7 +582,10 @@ DECODE_CASES = [(1, 64, 200, 4, 2, torch.float16), (8, 2048, 4096, 4, 1, torch.b
                 # the ring with 2 m-tiles (one row of the second; both full), and the fused kernel where the ring
                 # does not apply (d_mem 520)
                 (17, 256, 640, 4, 2, torch.float16), (32, 512, 4096, 4, 1, torch.bfloat16),
-                (24, 520, 4096, 4, 2, torch.bfloat16)]
+                (24, 520, 4096, 4, 2, torch.bfloat16),
+                # 4 m-tiles, two warps per ring slot: one row of the third m-tile, a partial fourth, all four full
+                (33, 1024, 4096, 4, 3, torch.bfloat16), (50, 2048, 4096, 4, 1, torch.bfloat16),
+                (64, 512, 640, 4, 2, torch.float16)]
 
 
 def _decode_inputs(B, d_mem, d, taps, dtype):
@@ -676,10 +691,11 @@ def test_gpu_prefill_then_decode_equals_full_prefill(taps, dilation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,d_mem,d,ring", [(4, 64, 200, False), (4, 256, 4096, True), (20, 256, 4096, True)])
+@pytest.mark.parametrize("B,d_mem,d,ring", [(4, 64, 200, False), (4, 256, 4096, True), (20, 256, 4096, True),
+                                             (40, 512, 4096, True)])
 def test_gpu_decode_opcheck_compile_graph(B, d_mem, d, ring):
-    """Both GEMV paths (register loads; the TMA ring, whose descriptors are kernel parameters built per launch)
-    under opcheck, torch.compile and CUDA-graph replay."""
+    """Both GEMV paths (register loads; the TMA ring, whose descriptors are kernel parameters built per launch,
+    with 1, 2 and 4 m-tiles, the last with two warps per slot) under opcheck, torch.compile and CUDA-graph replay."""
     from tk_engram import decode
 
     sms = config.get_num_sms(torch.cuda.current_device())

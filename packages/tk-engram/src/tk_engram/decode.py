@@ -21,14 +21,15 @@ are identical run to run):
   per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate,
   convolution and cache update. Measured
   8-13 % faster than the fused kernel at B = 1 / 8 on the H200 (its docstring). With the ring (d <= 4224, d_mem a
-  multiple of 256) the same launch takes up to ``GEMV_RING_MAX_BATCH`` rows, all in one CTA per panel.
+  multiple of 256; from 33 rows of 512) the same launch takes up to ``GEMV_RING_MAX_BATCH`` rows, all in one CTA
+  per panel (from 33 rows two warps per ring slot).
 - more rows (at d <= 4096 without the ring: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core
   projection for both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32
   partials so that the grid fills the GPU) whose last CTA per panel (an arrival counter) sums the partials in a
   fixed order, publishes the panel's row sums and, after a barrier among the panel finishers, does the gate,
   convolution and cache update for its columns.
-- 32 rows or more at d <= 4096 (measured faster there, ``TWO_LAUNCH_MIN_BATCH``; without the ring, or more than
-  ``GEMV_RING_MAX_BATCH`` rows), and whenever there are too
+- 32 rows or more at d <= 4096 (measured faster there than the fused kernel, ``TWO_LAUNCH_MIN_BATCH``; without the
+  ring, or more than ``GEMV_RING_MAX_BATCH`` rows), and whenever there are too
   many waiting CTAs for the SMs, two launches: ``decode_proj_kernel``, then a cluster of ``STEP_CLUSTER`` CTAs per
   row (``decode_step_kernel``).
 Runtime: batch, L, positions, eps. The sigmoid of the gate and the SiLU come from the hardware's approximate exp2
@@ -585,11 +586,14 @@ def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int
 # Small batches: the GEMV (``decode_gemv_kernel``). Its counters are two words per row tile from _GEMV_CTR on (the
 # fused kernel's lie below); the last V CTA of a row tile to leave zeroes both.
 GEMV_MAX_BATCH = 16  # one m-tile per CTA
-# With the W ring (one CTA per SM), all rows in one row tile of up to 2 m-tiles (H200, d_mem 2048, d=4096, dirty L2,
-# session 29): B = 17 / 32 18.0 / 18.3 us against 20.5 (fused) / 21.0 (two launches); 4 m-tiles (B=64, 228 registers)
-# 22.0 against the two launches' 21.7: the loop ran 16.3 us instead of 12.1, the V CTAs' epilogue 2.75 us (1.2 at one
-# m-tile), and starting each CTA at another chunk (the same e columns read by fewer CTAs at once) did not help.
-GEMV_RING_MAX_BATCH = 32
+# With the W ring (one CTA per SM), all rows in one row tile (H200, d_mem 2048, d=4096, dirty L2): 2 m-tiles (session
+# 29) B = 17 / 32 18.0 / 18.3 us against 20.5 (fused) / 21.0 (two launches); 4 m-tiles from 33 rows, where two warps
+# share each ring slot (GEMV_RING_MW, 2 m-tiles each) and the V CTAs copy their cache slots after the first chunk
+# (session 30): B = 48 / 64 20.1 / 20.4 us against the two launches' 21.3 / 21.8. One warp per slot at 4 m-tiles (228
+# registers) ran its loop 16.3 us instead of 12.1 (22.0 us in all at B=64); two warps per slot at 2 m-tiles lost
+# 9-11 % at B = 17 / 32.
+GEMV_RING_MAX_BATCH = 64
+GEMV_RING_MW = 2  # warps per ring slot from 33 rows (4 m-tiles)
 GEMV_PANEL = 64  # columns per CTA: a W row segment is 8 lanes x 16 B
 _GEMV_CTR = _CTR_LEN // 2
 TIMELINE_STAMPS = 7  # per CTA of ``decode_gemv_kernel(timeline=True)``
@@ -600,12 +604,13 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     CTA, 4 warps with 8 k16 steps of W in flight each (8 KiB per warp), 2 CTAs per SM. 8 warps at depth 8
     (1 CTA/SM at d=4096) or depth 4 (2 CTAs/SM at d=7168) took 5-20 % longer, 16 warps at depth 3 longer still.
     ``ring``: ``GEMV_RING`` slots per warp where ``ring_ok`` (``decode_plan`` drops it where it measured slower or
-    does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt`` =
-    ceil(B / 16) m-tiles, 32 mt accumulators per thread, 1 CTA per SM); ``decode_plan`` takes that only with the
-    ring."""
-    mt = ceil_div(B, 16) if B > GEMV_MAX_BATCH else 1
-    ring = GEMV_RING if ring_ok(mt, 4, d_mem, d) else 0
-    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring)
+    does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt``
+    m-tiles, 1 CTA per SM): ceil(B / 16) up to 32 rows, 4 from 33 rows, where ``mw`` = ``GEMV_RING_MW`` warps
+    share each ring slot, each warp taking ``mt / mw`` m-tiles; ``decode_plan`` takes that only with the ring."""
+    mt = 1 if B <= GEMV_MAX_BATCH else ceil_div(B, 16) if B <= 32 else 4
+    mw = GEMV_RING_MW if mt > 2 else 1
+    ring = GEMV_RING if ring_ok(mt, 4, d_mem, d, mw) else 0
+    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring, mw=mw)
 
 
 RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 mt e rows x 128 B
@@ -614,21 +619,25 @@ GEMV_RING = 2  # W ring slots per warp: 4 to 8 k16 steps in flight
 GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB each kept)
 
 
-def ring_ok(mt: int, nw: int, d_mem: int, d: int) -> bool:
-    """Whether ``decode_gemv_kernel`` can take the W ring: up to 4 m-tiles (the registers of 128 accumulators; the
-    op takes at most 2, ``GEMV_RING_MAX_BATCH``), the same whole k16 steps for every warp, whole 64-column panels
-    (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros)."""
-    return mt <= 4 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
+def ring_ok(mt: int, nw: int, d_mem: int, d: int, mw: int = 1) -> bool:
+    """Whether ``decode_gemv_kernel`` can take the W ring: up to 4 m-tiles per warp (the registers of 128
+    accumulators), split evenly over the ``mw`` warps of a slot, the same whole k16 steps for every slot, whole
+    64-column panels (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros), and room for
+    one m-tile of every warp's reduction tile in the W bytes of the ``GEMV_RING`` slots (d_mem >= 512 for 2 warps
+    per slot)."""
+    chunks = d_mem // (16 * RING_STEPS * nw)  # per slot owner
+    return (mt % mw == 0 and mt // mw <= 4 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
+            and mw * 16 * (GEMV_PANEL + 4) * 4 <= min(GEMV_RING, chunks) * _RING_W)
 
 
-def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0) -> tuple[int, int, int]:
+def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0, mw: int = 1) -> tuple[int, int, int]:
     """(items, EPW, shared bytes) of ``decode_gemv_kernel``: (row, 16-byte column vector) items per thread, the
     epilogue operands per thread in elements (h, w_h / w_v, the taps, the lagged cache slots), and the shared memory
-    of the reduction tile (float32), the 16-bit epilogue operands and ``ring`` W ring slots per warp."""
-    threads, nv = 32 * nw, GEMV_PANEL // VEC
+    of the reduction tile (float32), the 16-bit epilogue operands and ``ring`` W ring slots per slot owner."""
+    threads, nv = 32 * nw * mw, GEMV_PANEL // VEC
     items = ceil_div(16 * mt * nv, threads)
     epw = VEC * max(1 + items, 1 + taps + items * (taps - 1))
-    red = nw * 16 * (1 if ring else mt) * (GEMV_PANEL + 4) * 4  # with the ring: one m-tile in the ring's W bytes
+    red = nw * mw * 16 * (1 if ring else mt) * (GEMV_PANEL + 4) * 4  # with the ring: a warp's m-tile in the W bytes
     return items, epw, max(red, nw * ring * _RING_W) + nw * ring * mt * _RING_E + threads * epw * 2
 
 
@@ -637,10 +646,19 @@ def _static(n: int) -> tuple:
     return tuple(range(n))
 
 
-def _gemv_prelude(mt: int, dtype: str) -> str:
-    """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles, the W load, the counter."""
+# The ring's slots shared by several warps: a named barrier (ids from 1; 0 is __syncthreads) of those warps.
+_BAR_SYNC = r"""
+__device__ __forceinline__ void tkd_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+"""
+
+
+def _gemv_prelude(mt: int, dtype: str, shared_slots: bool = False) -> str:
+    """CUDA helpers of ``decode_gemv_kernel``: one k16 step of mma for ``mt`` m-tiles (a warp's), the W load, the
+    counter; ``shared_slots``: the named barrier of the warps that share a ring slot."""
     ab = "bf16" if dtype == "bfloat16" else "f16"
-    return SILU_APPROX + _CLUSTER + rf"""
+    return SILU_APPROX + _CLUSTER + (_BAR_SYNC if shared_slots else "") + rf"""
 // c += a b: mma.m16n8k16, float32 accumulation.
 __device__ __forceinline__ void tkd_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
                                         unsigned b1) {{
@@ -734,11 +752,13 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 """ + LDCG_F32X4
 
 
-# TileLang's sync planner is off: it cannot see that each warp's ring slots are its own (ordered by the warp's
-# mbarriers and __syncwarp) and put two CTA barriers in every k16 step; the kernel's own barriers order the rest.
+# TileLang's sync planner is off: it cannot see that each warp's ring slots are its own (ordered by the slot's
+# mbarriers and __syncwarp, or a named barrier of the slot's warps) and put two CTA barriers in every k16 step; the
+# kernel's own barriers order the rest.
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
-                       depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0):
+                       depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0, mw: int = 1,
+                       late_cache: bool = True):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -762,7 +782,14 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       has read the chunk before (``__syncwarp``) and reads its operands with ldmatrix (standard fragments: n-tile j
       holds columns 8j + 2t, + 1; each W fragment feeds all ``mt`` m-tiles). No scoreboard drains the loads in
       flight (the register path's limit, PERF-NOTES session 27). The reduction tile then reuses the ring's bytes,
-      one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
+      one m-tile at a time. With ``mw`` > 1, ``mw`` warps share each slot (``nw`` slot owners, ``nw mw`` warps):
+      warp w reads its k rows as owner w % nw and takes m-tiles [(w // nw) mt / mw, ...) of the slot's e rows;
+      the owner's first warp issues the copies once all of the slot's warps have read the chunk before (a named
+      barrier of the ``mw`` warps instead of ``__syncwarp``), so each W fragment feeds mt / mw m-tiles per warp.
+      ``late_cache`` (the ring's default): the epilogue operands' copies follow the second chunk's TMA copies, and a
+      V CTA loads the positions there but copies its cache slots (whose addresses need them) only after its first
+      chunk, so that no warp waits for a position while it has one chunk asked for (B=64: 22.3 -> 20.4 us; B = 1 /
+      8: -0.6 %; False, the copies before the second chunk's: the sweep's reference point). H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
       from a clean L2, 16.05 -> 16.2 after the benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9
       clean but 22.7 -> 25.2 dirty (session 28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
     - The warps' tiles are summed in shared memory in warp order (deterministic, like every sum below).
@@ -785,7 +812,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     B = T.dynamic("batch")
     LC = T.dynamic("cache_len")
     f32 = "float32"
-    threads = 32 * nw
+    threads = 32 * nw * mw
+    MTW = mt // mw  # m-tiles per warp
     NP = ceil_div(d, GEMV_PANEL)
     KS = ceil_div(d_mem, 16)  # k16 steps
     SPW = ceil_div(KS, nw)  # steps per warp
@@ -794,15 +822,16 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     cols_pred = d % GEMV_PANEL != 0
     MR = 16 * mt  # batch rows per CTA
     nv = GEMV_PANEL // VEC
-    items, EPW, _ = _gemv_epilogue(mt, nw, taps)  # (row, 16-byte column vector) items per thread; operands
+    items, EPW, _ = _gemv_epilogue(mt, nw, taps, mw=mw)  # (row, 16-byte column vector) items per thread; operands
     rstep = threads // nv
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
     assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
-    assert not ring or ring_ok(mt, nw, d_mem, d), "the W ring needs <= 4 m-tiles, whole k16 steps and panels"
+    assert not ring or ring_ok(mt, nw, d_mem, d, mw), "the W ring needs <= 4 m-tiles a warp, whole steps and panels"
+    assert mw == 1 or ring, "warps share W only through the ring's slots"
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
-    assert not ring or nw * 16 * RS * 4 <= nw * NS * _RING_W, "an m-tile's reduction must fit in the ring's W bytes"
+    assert not ring or nw * mw * 16 * RS * 4 <= nw * NS * _RING_W, "a warp's m-tile must fit in the ring's W bytes"
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -844,9 +873,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                 T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + i) * VEC]), T.address_of(Hx[b, c0]))
 
     @T.macro
-    def early_v(w_v, conv_w, state, pos, tx, c0, by, B, LC, ep, rpl):
-        """cp.async of w_v, the taps and each item's lagged cache slots into this thread's row of ``ep``."""
-        if c0 < d:
+    def early_v(w_v, conv_w, state, pos, tx, c0, by, B, LC, ep, rpl, part: str = "all"):
+        """cp.async of w_v, the taps and each item's lagged cache slots into this thread's row of ``ep``; ``part``
+        "issue" copies w_v and the taps and loads each item's position into ``rpl``, "cache" then copies the cache
+        slots (so that no warp waits for the positions while its first W chunks are not yet asked for)."""
+        if part != "cache" and c0 < d:
             T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, 0]), T.address_of(w_v[c0]))
             for p in _static(taps):
                 T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + p) * VEC]), T.address_of(conv_w[p, c0]))
@@ -854,64 +885,84 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             b = by * MR + tx // nv + i * rstep
             if tx // nv + i * rstep < MR and b < B and c0 < d:
                 # cache_pos >= 0 and L >= dilation * R: lag q+1 wraps at most once.
-                rpl[i] = T.truncmod(pos[b], LC)
-                for q in _static(R):
+                if part == "all":
+                    rpl[i] = T.truncmod(pos[b], LC)
+                elif part == "issue":
+                    rpl[i] = pos[b]
+                else:
+                    rpl[i] = T.truncmod(rpl[i], LC)
+                for q in _static(R if part != "issue" else 0):
                     sl = rpl[i] - (q + 1) * dilation
                     T.call_extern("handle", "tkd_cp16", T.address_of(ep[tx, (1 + taps + i * R + q) * VEC]),
                                   T.address_of(state[b, T.if_then_else(sl < 0, sl + LC, sl), c0]))
 
     @T.macro
-    def fill(E, W, wr, er, bars, warp, panel, by, c: int):
-        """TMA copies of chunk c of this warp (RING_STEPS k16 steps: its W rows of the panel, the row tile's e
-        columns; e rows past the batch arrive as zeros) into ring slot c % NS, once every lane has read the slot's
-        previous chunk."""
+    def fill(E, W, wr, er, bars, owner, lead, panel, by, c: int):
+        """TMA copies of chunk c of slot owner ``owner`` (RING_STEPS k16 steps: its W rows of the panel, the row
+        tile's e columns; e rows past the batch arrive as zeros) into ring slot c % NS, once every lane of the
+        slot's warps has read the slot's previous chunk; the copies are issued by the warp where ``lead`` holds."""
         KR = 16 * RING_STEPS
-        row0 = (warp * NC + c) * KR
-        slot = warp * NS + c % NS
-        T.call_extern("handle", "__syncwarp")
-        T.tma_copy(W[row0:row0 + KR, panel * GEMV_PANEL:(panel + 1) * GEMV_PANEL], wr[slot * KR:slot * KR + KR, :],
-                   barrier=bars[slot], leader_scope_threads=32)
-        T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * MR:slot * MR + MR, :], barrier=bars[slot],
-                   leader_scope_threads=32)
-        T.barrier_arrive(bars[slot])
+        row0 = (owner * NC + c) * KR
+        slot = owner * NS + c % NS
+        if mw == 1:
+            T.call_extern("handle", "__syncwarp")
+        else:
+            T.call_extern("handle", "tkd_bar_sync", 1 + owner, 32 * mw)
+        if lead:
+            T.tma_copy(W[row0:row0 + KR, panel * GEMV_PANEL:(panel + 1) * GEMV_PANEL],
+                       wr[slot * KR:slot * KR + KR, :], barrier=bars[slot], leader_scope_threads=32)
+            T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * MR:slot * MR + MR, :], barrier=bars[slot],
+                       leader_scope_threads=32)
+            T.barrier_arrive(bars[slot])
 
     @T.macro
     def mainloop(E, W, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
                  is_v: bool):
         """acc += this warp's rows of e @ W[:, panel]; the epilogue operands are copied to shared memory
-        asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W).
-        With ``ring``, each step's W and e come from the warp's ring slot, refilled ``NS - 1`` chunks ahead (the
-        slot the chunk before freed)."""
+        asynchronously right after the first W loads (the cache slots wait for pos, as the first mma waits for W;
+        with ``late_cache`` after the first chunk). With ``ring``, each step's W and e come from the warp's ring
+        slot, refilled ``NS - 1`` chunks ahead (the slot the chunk before freed)."""
         warp = tx // 32
         lane = tx % 32
         g = lane // 4
         t = lane % 4
         c0 = panel * GEMV_PANEL + g * VEC
         ce = panel * GEMV_PANEL + (tx % nv) * VEC
-        for i in T.unroll(mt * 32):
+        owner = warp if mw == 1 else warp % nw  # the ring slots (and k rows) this warp reads
+        lead = True if mw == 1 else warp < nw
+        erow = 0 if mw == 1 else warp // nw * MTW * 16  # its first e row in a slot
+        for i in T.unroll(MTW * 32):
             acc[i] = T.float32(0)
         if ring:
             for c in _static(NS - 1):
-                fill(E, W, wr, er, bars, warp, panel, by, c)
+                fill(E, W, wr, er, bars, owner, lead, panel, by, c)
         else:
             for s in _static(P):
                 load(E, W, wb, eb, warp, t, g, c0, by, B, s)
+        late = ring and late_cache
         for s in _static(SPW):
-            if s == 0:
+            if s == 0 and not late:
                 if is_v:
                     early_v(w_v, conv_w, state, pos, tx, ce, by, B, LC, ep, rpl)
                 else:
                     early_k(Hx, w_h, tx, ce, by, B, ep)
             if ring:
                 c, q = divmod(s, RING_STEPS)
-                slot = warp * NS + c % NS
+                slot = owner * NS + c % NS
                 if q == 0:
                     if c + NS - 1 < NC:
-                        fill(E, W, wr, er, bars, warp, panel, by, c + NS - 1)
+                        fill(E, W, wr, er, bars, owner, lead, panel, by, c + NS - 1)
+                    if s == 0 and late:
+                        if is_v:
+                            early_v(w_v, conv_w, state, pos, tx, ce, by, B, LC, ep, rpl, "issue")
+                        else:
+                            early_k(Hx, w_h, tx, ce, by, B, ep)
                     T.mbarrier_wait_parity(bars[slot], (c // NS) % 2)
                 T.call_extern("handle", "tkd_ring_step", T.address_of(acc[0]),
-                              T.address_of(wr[(slot * RING_STEPS + q) * 16, 0]), T.address_of(er[slot * MR, 0]), q,
-                              lane)
+                              T.address_of(wr[(slot * RING_STEPS + q) * 16, 0]),
+                              T.address_of(er[slot * MR + erow, 0]), q, lane)
+                if s == RING_STEPS - 1 and late and is_v:
+                    early_v(w_v, conv_w, state, pos, tx, ce, by, B, LC, ep, rpl, "cache")
             else:
                 T.call_extern("handle", "tkd_step", T.address_of(acc[0]), T.address_of(wb[(s % P) * 4 * VEC]),
                               T.address_of(eb[(s % P) * mt * 8]))
@@ -927,9 +978,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     @T.macro
     def reduce_tile(acc, red, out, tx):
         """out[i * VEC + e] = sum over warps (in order) of the tile at (row tx / 8 + i * rstep, vector tx % 8).
-        ``red`` (float32, nw x TR x RS) is addressed by raw offsets: with the ring it lies in the ring's bytes, whose
-        swizzled layout TileLang would otherwise apply to it, and holds one m-tile at a time (TR = 16 rows; else
-        TR = MR, all m-tiles at once)."""
+        ``red`` (float32, nw mw x TR x RS) is addressed by raw offsets: with the ring it lies in the ring's bytes,
+        whose swizzled layout TileLang would otherwise apply to it, and holds one m-tile of each warp at a time (TR =
+        16 rows; else TR = MR, all m-tiles at once). With ``mw`` > 1 a row's tiles are those of the ``nw`` warps
+        that took its m-tile."""
         rb = T.address_of(red[0, 0]) if ring else T.address_of(red[0])
         warp = tx // 32
         lane = tx % 32
@@ -937,10 +989,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         t = lane % 4
         cv = tx % nv
         tr = 16 if ring else MR  # rows of a warp's tile in red
-        for pas in _static(mt if ring else 1):
+        for pas in _static(MTW if ring else 1):
             if ring:
                 T.sync_threads()  # red lies in the W ring: every warp has read its last slot (and m-tile pas - 1)
-            for m in _static(mt):
+            for m in _static(MTW):
                 if not ring or m == pas:
                     row = warp * tr + (0 if ring else m * 16) + g
                     for h in T.unroll(2):
@@ -957,8 +1009,9 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             T.sync_threads()
             for i in T.unroll(items):
                 r = tx // nv + i * rstep
-                if tirx.all(r < MR, r // 16 == pas) if ring else r < MR:
-                    rr = r % 16 if ring else r
+                gm = r // 16  # the row's m-tile, the warp's m-tile (pass) it is in, the rows of its first warp
+                lm, rr = (gm, r % 16 if ring else r) if mw == 1 else (gm % MTW, gm // MTW * nw * 16 + r % 16)
+                if tirx.all(r < MR, lm == pas) if ring else r < MR:
                     for e in T.unroll(VEC):
                         out[i * VEC + e] = T.call_extern(f32, "tkd_ld_f32", rb, rr * RS + cv * VEC + e)
                     for w in T.unroll(1, nw):
@@ -981,7 +1034,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         Ctr: T.Tensor((_CTR_LEN,), "int32"),
         eps: T.float32,
     ):
-        with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=_gemv_prelude(mt, dtype)) as (bx, by):
+        with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=_gemv_prelude(MTW, dtype, mw > 1)) as (bx, by):
             ep = T.alloc_shared((threads, EPW), dtype)
             if ring:
                 wr = T.alloc_shared((nw * NS * 16 * RING_STEPS, GEMV_PANEL), dtype)
@@ -993,7 +1046,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                 wr = er = bars = None
                 red = T.alloc_shared((nw * MR * RS,), f32)
             lv = T.alloc_local((1,), "uint32")
-            acc = T.alloc_local((mt * 32,), f32)
+            acc = T.alloc_local((MTW * 32,), f32)
             # the register path's W and e pipeline (the ring has its own in shared memory)
             wb = None if ring else T.alloc_local((P * 4 * VEC,), dtype)
             eb = None if ring else T.alloc_local((P * mt * 8,), dtype)
@@ -1145,7 +1198,7 @@ TWO_LAUNCH_MAX_D = 4096
 def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> tuple[str, dict]:
     """(path, tuning) of a decode step with ``taps`` conv taps: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH``
     rows while its epilogue operands fit in shared memory (up to 52 taps), and up to ``GEMV_RING_MAX_BATCH`` rows
-    where the W ring applies with two m-tiles (one CTA per SM, up to 22 taps); ("two_launch",
+    where the W ring applies with two or four m-tiles (one CTA per SM, up to 22 / 8 taps); ("two_launch",
     ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
     ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
     ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
@@ -1157,9 +1210,9 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
         # 28) and its slots fit beside the epilogue's operands (at 2 CTAs per SM for one m-tile)
         smem = GEMV_RING_SMEM if cfg["min_blocks"] == 2 else MAX_SMEM_PER_BLOCK
         if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
-                            or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] > smem):
-            cfg["ring"] = 0
-        fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"])[2] <= MAX_SMEM_PER_BLOCK
+                            or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] > smem):
+            cfg.update(ring=0, mw=1)  # (more than one m-tile then takes another path)
+        fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] <= MAX_SMEM_PER_BLOCK
         if ((cfg["mt"] == 1 or cfg["ring"]) and fits and _waiters(B, d, 16 * cfg["mt"]) < sms
                 and _GEMV_CTR + 2 * tiles <= _CTR_LEN):
             return "gemv", cfg
