@@ -222,10 +222,10 @@ def test_decode_plan_cpu():
         assert decode.decode_plan(65, 2048, d)[0] == "two_launch"
     for B in (17, 32):
         assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=2, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
-                                                            mw=1)
+                                                            mw=1, v_first=True)
     for B in (33, 48, 64):  # 4 m-tiles, two warps per ring slot
         assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=4, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
-                                                            mw=2)
+                                                            mw=2, v_first=True)
     assert decode.decode_plan(17, 2040, 4096)[0] == "fused"  # d_mem: no whole ring chunks per warp
     assert decode.decode_plan(32, 2040, 4096)[0] == "two_launch"
     assert decode.decode_plan(32, 2048, 4096, 127)[0] == "two_launch"  # 128 CTAs would not fit one per SM
@@ -698,10 +698,9 @@ def test_gpu_decode_opcheck_compile_graph(B, d_mem, d, ring):
     with 1, 2 and 4 m-tiles, the last with two warps per slot) under opcheck, torch.compile and CUDA-graph replay."""
     from tk_engram import decode
 
-    sms = config.get_num_sms(torch.cuda.current_device())
-    path, cfg = decode.decode_plan(B, d_mem, d, min(decode._SMS, sms))
+    path, cfg = decode.device_plan(B, d_mem, d, torch.device("cuda", torch.cuda.current_device()))
     if ring and not cfg.get("ring"):
-        pytest.skip(f"{sms} SMs: decode_plan takes no W ring at d={d}")
+        pytest.skip(f"{config.get_num_sms(torch.cuda.current_device())} SMs: decode_plan takes no W ring at d={d}")
     assert path == "gemv" and bool(cfg["ring"]) == ring
     e, h, WK, WV, wh, wv, cw = _decode_inputs(B, d_mem, d, 4, torch.bfloat16)
     state, pos = init_decode_state(B, d, 4, 1, device="cuda")

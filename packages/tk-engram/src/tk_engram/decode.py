@@ -606,11 +606,12 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     ``ring``: ``GEMV_RING`` slots per warp where ``ring_ok`` (``decode_plan`` drops it where it measured slower or
     does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt``
     m-tiles, 1 CTA per SM): ceil(B / 16) up to 32 rows, 4 from 33 rows, where ``mw`` = ``GEMV_RING_MW`` warps
-    share each ring slot, each warp taking ``mt / mw`` m-tiles; ``decode_plan`` takes that only with the ring."""
+    share each ring slot, each warp taking ``mt / mw`` m-tiles; ``decode_plan`` takes that only with the ring.
+    ``v_first`` with the ring."""
     mt = 1 if B <= GEMV_MAX_BATCH else ceil_div(B, 16) if B <= 32 else 4
     mw = GEMV_RING_MW if mt > 2 else 1
     ring = GEMV_RING if ring_ok(mt, 4, d_mem, d, mw) else 0
-    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring, mw=mw)
+    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring, mw=mw, v_first=ring > 0)
 
 
 RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 mt e rows x 128 B
@@ -758,7 +759,7 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
                        depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0, mw: int = 1,
-                       late_cache: bool = True):
+                       late_cache: bool = True, v_first: bool = False):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -766,7 +767,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     26.2 / 33.2, so the op uses it up to ``GEMV_MAX_BATCH`` rows only.
 
     - Grid (2 NP, batch / (16 mt)), NP = ceil(d / 64): CTA x < NP owns column panel x of W_K, CTA x >= NP panel
-      x - NP of W_V, over all d_mem rows (no float32 partials, no per-panel counter). At B <= 16 that is 128 CTAs
+      x - NP of W_V, over all d_mem rows (no float32 partials, no per-panel counter); with ``v_first`` the other way
+      round (block x < NP takes panel x of W_V), so that the V CTAs, which finish the step, start first: with the
+      ring their loop had ended 1.0-1.9 us after the K CTAs' (H200, d=4096: B=1 17.10 -> 16.70 us, B=64 21.35 ->
+      20.51; at d=7168 on the register path, two CTAs per SM, it measured 2 % slower). At B <= 16 that is 128 CTAs
       (d=4096) or 224 (d=7168), all co-resident at 2 per SM.
     - W goes from global memory straight into registers: 16-byte ``ld.global.nc.L1::no_allocate``, ``depth`` k16
       steps ahead, fully unrolled (no shared memory, no barrier in the loop). Warp w streams rows
@@ -805,8 +809,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     Thread tx owns columns 8 (tx % 8) .. + 8 of the panel in rows tx / 8 + i (threads / 8) (i < items), so the 8
     lanes of a row reduce its sums with 3 butterflies. Runtime: batch, cache length, positions, eps.
 
-    ``timeline`` (for ``benchmarks/probe_l2_flush.py``, one row tile): thread 0 of CTA c also writes the global
-    timer's low 32 bits (ns) to ``Ctr[TIMELINE_STAMPS c + i]`` (words the GEMV's counters do not use) at the CTA's
+    ``timeline`` (for ``benchmarks/probe_l2_flush.py``, one row tile): thread 0 of CTA c (K panels first, then V
+    panels, in either block order) also writes the global timer's low 32 bits (ns) to ``Ctr[TIMELINE_STAMPS c + i]`` (words the GEMV's counters do not use) at the CTA's
     start (i = 0), after its loop and tile reduction (1), once its row sums are stored (2), after its arrival (3) and,
     in a V CTA, after its wait (4), once its stores are issued (5) and at its end (6)."""
     B = T.dynamic("batch")
@@ -992,20 +996,19 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         for pas in _static(MTW if ring else 1):
             if ring:
                 T.sync_threads()  # red lies in the W ring: every warp has read its last slot (and m-tile pas - 1)
-            for m in _static(MTW):
-                if not ring or m == pas:
-                    row = warp * tr + (0 if ring else m * 16) + g
-                    for h in T.unroll(2):
-                        for half in T.unroll(2):
-                            for j in T.unroll(VEC):
-                                if ring:  # standard fragments: column 8 j + 2 t + half
-                                    T.call_extern("handle", "tkd_st_f32", rb,
-                                                  (row + h * 8) * RS + j * 8 + 2 * t + half,
-                                                  acc[(m * 8 + j) * 4 + h * 2 + half])
-                                else:
-                                    T.call_extern("handle", "tkd_st_f32", rb,
-                                                  (row + h * 8) * RS + t * 16 + half * VEC + j,
-                                                  acc[(m * 8 + j) * 4 + h * 2 + half])
+            for m in (pas,) if ring else _static(MTW):
+                row = warp * tr + (0 if ring else m * 16) + g
+                for h in T.unroll(2):
+                    for half in T.unroll(2):
+                        for j in T.unroll(VEC):
+                            if ring:  # standard fragments: column 8 j + 2 t + half
+                                T.call_extern("handle", "tkd_st_f32", rb,
+                                              (row + h * 8) * RS + j * 8 + 2 * t + half,
+                                              acc[(m * 8 + j) * 4 + h * 2 + half])
+                            else:
+                                T.call_extern("handle", "tkd_st_f32", rb,
+                                              (row + h * 8) * RS + t * 16 + half * VEC + j,
+                                              acc[(m * 8 + j) * 4 + h * 2 + half])
             T.sync_threads()
             for i in T.unroll(items):
                 r = tx // nv + i * rstep
@@ -1065,11 +1068,14 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             tx = T.get_thread_binding()
             cv = tx % nv
             ctr = _GEMV_CTR + 2 * by
-            stamps = (by * 2 * NP + bx) * TIMELINE_STAMPS
+            # the CTA's role: a K panel below NP, else a V panel; with ``v_first`` the V CTAs take the first block
+            # indices (the lower ones start first)
+            cta = (bx + NP) % (2 * NP) if v_first else bx
+            stamps = (by * 2 * NP + cta) * TIMELINE_STAMPS
             stamp(Ctr, tx, stamps, 0)
-            if bx < NP:
-                c0 = bx * GEMV_PANEL + cv * VEC
-                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, bx, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
+            if cta < NP:
+                c0 = cta * GEMV_PANEL + cv * VEC
+                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, cta, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
                          False)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
@@ -1098,14 +1104,14 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
                     b = by * MR + tx // nv + i * rstep
                     if cv == 0 and tx // nv + i * rstep < MR and b < B:
                         for q in T.unroll(3):
-                            S[b, bx, q] = part[i * 4 + q]
+                            S[b, cta, q] = part[i * 4 + q]
                 stamp(Ctr, tx, stamps, 2, part[0])
                 T.sync_threads()
                 if tx == 0:
                     T.call_extern("handle", "tkd_release_add", T.address_of(Ctr[ctr]))
                 stamp(Ctr, tx, stamps, 3)
             else:
-                panel = bx - NP
+                panel = cta - NP
                 c0 = panel * GEMV_PANEL + cv * VEC
                 mainloop(E, WV, acc, wb, eb, wr, er, bars, tx, panel, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep,
                          rpl, True)
@@ -1211,7 +1217,7 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
         smem = GEMV_RING_SMEM if cfg["min_blocks"] == 2 else MAX_SMEM_PER_BLOCK
         if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
                             or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] > smem):
-            cfg.update(ring=0, mw=1)  # (more than one m-tile then takes another path)
+            cfg.update(ring=0, mw=1, v_first=False)  # (more than one m-tile then takes another path)
         fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] <= MAX_SMEM_PER_BLOCK
         if ((cfg["mt"] == 1 or cfg["ring"]) and fits and _waiters(B, d, 16 * cfg["mt"]) < sms
                 and _GEMV_CTR + 2 * tiles <= _CTR_LEN):
@@ -1222,6 +1228,12 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
     if _waiters(B, d, cfg["block_m"]) < sms and 2 + _waiters(B, d, cfg["block_m"]) <= _GEMV_CTR:
         return "fused", cfg
     return "two_launch", proj_config(B, d_mem, d)
+
+
+def device_plan(B: int, d_mem: int, d: int, device: torch.device, taps: int = 4) -> tuple[str, dict]:
+    """``decode_plan`` with the SMs of ``device`` (``tk_core.config.get_num_sms``, so a ``set_num_sms`` limit counts):
+    what ``_decode_dev`` launches there."""
+    return decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(device.index)), taps)
 
 
 def decode_scratch(B: int, d_mem: int, d: int, device, path: str | None = None, taps: int = 4):
@@ -1248,7 +1260,7 @@ def _decode_dev(
     dt = _TL_DTYPES[h_t.dtype]
     (B, d), d_mem = h_t.shape, e_t.shape[1]
     taps = conv_w.shape[0]
-    path, cfg = decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(h_t.device.index)), taps)
+    path, cfg = device_plan(B, d_mem, d, h_t.device, taps)
     if path != decode_plan(B, d_mem, d, taps=taps)[0]:  # a smaller GPU: another path, with its own scratch
         part, sums = decode_scratch(B, d_mem, d, h_t.device, path)
     if path == "gemv":
