@@ -786,16 +786,17 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       has read the chunk before (``__syncwarp``) and reads its operands with ldmatrix (standard fragments: n-tile j
       holds columns 8j + 2t, + 1; each W fragment feeds all ``mt`` m-tiles). No scoreboard drains the loads in
       flight (the register path's limit, PERF-NOTES session 27). The reduction tile then reuses the ring's bytes,
-      one m-tile at a time. With ``mw`` > 1, ``mw`` warps share each slot (``nw`` slot owners, ``nw mw`` warps):
-      warp w reads its k rows as owner w % nw and takes m-tiles [(w // nw) mt / mw, ...) of the slot's e rows;
-      the owner's first warp issues the copies once all of the slot's warps have read the chunk before (a named
-      barrier of the ``mw`` warps instead of ``__syncwarp``), so each W fragment feeds mt / mw m-tiles per warp.
-      ``late_cache`` (the ring's default): the epilogue operands' copies follow the second chunk's TMA copies, and a
+      one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us from a clean L2, 16.05 -> 16.2 after the
+      benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9 clean but 22.7 -> 25.2 dirty (session
+      28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
+    - With ``mw`` > 1, ``mw`` warps share each ring slot (``nw`` slot owners, ``nw mw`` warps): warp w reads its k
+      rows as owner w % nw and takes m-tiles [(w // nw) mt / mw, ...) of the slot's e rows; the owner's first warp
+      issues the copies once all of the slot's warps have read the chunk before (a named barrier of the ``mw`` warps
+      instead of ``__syncwarp``), so each W fragment feeds mt / mw m-tiles per warp.
+    - ``late_cache`` (the ring's default): the epilogue operands' copies follow the second chunk's TMA copies, and a
       V CTA loads the positions there but copies its cache slots (whose addresses need them) only after its first
       chunk, so that no warp waits for a position while it has one chunk asked for (B=64: 22.3 -> 20.4 us; B = 1 /
-      8: -0.6 %; False, the copies before the second chunk's: the sweep's reference point). H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us
-      from a clean L2, 16.05 -> 16.2 after the benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9
-      clean but 22.7 -> 25.2 dirty (session 28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
+      8: -0.6 %). False (the copies before the second chunk's) is the sweep's reference point.
     - The warps' tiles are summed in shared memory in warp order (deterministic, like every sum below).
     - K CTAs round k, write the per-row sums h.h, k.k, (h w_h).(k w_h) of their panel to S[b, panel, 0..2],
       arrive (release add) and exit. V CTAs round v, write v.v to S[b, panel, 3], arrive, poll the row tile's
@@ -810,9 +811,10 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     lanes of a row reduce its sums with 3 butterflies. Runtime: batch, cache length, positions, eps.
 
     ``timeline`` (for ``benchmarks/probe_l2_flush.py``, one row tile): thread 0 of CTA c (K panels first, then V
-    panels, in either block order) also writes the global timer's low 32 bits (ns) to ``Ctr[TIMELINE_STAMPS c + i]`` (words the GEMV's counters do not use) at the CTA's
-    start (i = 0), after its loop and tile reduction (1), once its row sums are stored (2), after its arrival (3) and,
-    in a V CTA, after its wait (4), once its stores are issued (5) and at its end (6)."""
+    panels, in either block order) also writes the global timer's low 32 bits (ns) to ``Ctr[TIMELINE_STAMPS c +
+    i]`` (words the GEMV's counters do not use) at the CTA's start (i = 0), after its loop and tile reduction (1),
+    once its row sums are stored (2), after its arrival (3) and, in a V CTA, after its wait (4), once its stores are
+    issued (5) and at its end (6)."""
     B = T.dynamic("batch")
     LC = T.dynamic("cache_len")
     f32 = "float32"
@@ -836,6 +838,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
     assert not ring or nw * mw * 16 * RS * 4 <= nw * NS * _RING_W, "a warp's m-tile must fit in the ring's W bytes"
+    prelude = _gemv_prelude(MTW, dtype, mw > 1)
 
     def valid_w(row, col):
         """The W vector (row, col..col+7) is in bounds (only tested where the shape can leave it out)."""
@@ -1037,7 +1040,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
         Ctr: T.Tensor((_CTR_LEN,), "int32"),
         eps: T.float32,
     ):
-        with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=_gemv_prelude(MTW, dtype, mw > 1)) as (bx, by):
+        with T.Kernel(2 * NP, T.ceildiv(B, MR), threads=threads, prelude=prelude) as (bx, by):
             ep = T.alloc_shared((threads, EPW), dtype)
             if ring:
                 wr = T.alloc_shared((nw * NS * 16 * RING_STEPS, GEMV_PANEL), dtype)
@@ -1075,8 +1078,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             stamp(Ctr, tx, stamps, 0)
             if cta < NP:
                 c0 = cta * GEMV_PANEL + cv * VEC
-                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, cta, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep, rpl,
-                         False)
+                mainloop(E, WK, acc, wb, eb, wr, er, bars, tx, cta, by, B, Hx, w_h, w_v, conv_w, state, pos, LC, ep,
+                         rpl, False)
                 reduce_tile(acc, red, out, tx)
                 stamp(Ctr, tx, stamps, 1)
                 T.call_extern("handle", "tkd_cp_wait")
@@ -1231,8 +1234,8 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
 
 
 def device_plan(B: int, d_mem: int, d: int, device: torch.device, taps: int = 4) -> tuple[str, dict]:
-    """``decode_plan`` with the SMs of ``device`` (``tk_core.config.get_num_sms``, so a ``set_num_sms`` limit counts):
-    what ``_decode_dev`` launches there."""
+    """``decode_plan`` with the SMs of ``device`` (``tk_core.config.get_num_sms``, so a ``set_num_sms`` limit
+    counts): what ``_decode_dev`` launches there."""
     return decode_plan(B, d_mem, d, min(_SMS, config.get_num_sms(device.index)), taps)
 
 
