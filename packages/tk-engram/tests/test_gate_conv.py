@@ -222,10 +222,10 @@ def test_decode_plan_cpu():
         assert decode.decode_plan(65, 2048, d)[0] == "two_launch"
     for B in (17, 32):
         assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=2, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
-                                                            mw=1, v_first=True)
+                                                            mw=1)
     for B in (33, 48, 64):  # 4 m-tiles, two warps per ring slot
         assert decode.decode_plan(B, 2048, 4096)[1] == dict(mt=4, nw=4, depth=8, min_blocks=1, ring=decode.GEMV_RING,
-                                                            mw=2, v_first=True)
+                                                            mw=2)
     assert decode.decode_plan(17, 2040, 4096)[0] == "fused"  # d_mem: no whole ring chunks per warp
     assert decode.decode_plan(32, 2040, 4096)[0] == "two_launch"
     assert decode.decode_plan(32, 2048, 4096, 127)[0] == "two_launch"  # 128 CTAs would not fit one per SM

@@ -606,12 +606,11 @@ def gemv_config(B: int, d_mem: int, d: int) -> dict:
     ``ring``: ``GEMV_RING`` slots per warp where ``ring_ok`` (``decode_plan`` drops it where it measured slower or
     does not fit). More than 16 rows (up to ``GEMV_RING_MAX_BATCH``) take one CTA per panel for all rows (``mt``
     m-tiles, 1 CTA per SM): ceil(B / 16) up to 32 rows, 4 from 33 rows, where ``mw`` = ``GEMV_RING_MW`` warps
-    share each ring slot, each warp taking ``mt / mw`` m-tiles; ``decode_plan`` takes that only with the ring.
-    ``v_first`` with the ring."""
+    share each ring slot, each warp taking ``mt / mw`` m-tiles; ``decode_plan`` takes that only with the ring."""
     mt = 1 if B <= GEMV_MAX_BATCH else ceil_div(B, 16) if B <= 32 else 4
     mw = GEMV_RING_MW if mt > 2 else 1
     ring = GEMV_RING if ring_ok(mt, 4, d_mem, d, mw) else 0
-    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring, mw=mw, v_first=ring > 0)
+    return dict(mt=mt, nw=4, depth=8, min_blocks=2 if mt == 1 else 1, ring=ring, mw=mw)
 
 
 RING_STEPS = 4  # k16 steps per W ring slot: one TMA copy of 64 W rows (8 KB), one of 16 mt e rows x 128 B
@@ -620,15 +619,15 @@ GEMV_RING = 2  # W ring slots per warp: 4 to 8 k16 steps in flight
 GEMV_RING_SMEM = 110 * 1024  # the most shared memory per CTA with the ring at 2 CTAs per SM (228 KB, 1 KB each kept)
 
 
-def ring_ok(mt: int, nw: int, d_mem: int, d: int, mw: int = 1) -> bool:
+def ring_ok(mt: int, nw: int, d_mem: int, d: int, mw: int = 1, slots: int = GEMV_RING) -> bool:
     """Whether ``decode_gemv_kernel`` can take the W ring: up to 4 m-tiles per warp (the registers of 128
     accumulators), split evenly over the ``mw`` warps of a slot, the same whole k16 steps for every slot, whole
     64-column panels (the TMA boxes need no bounds beyond the batch rows, which TMA fills with zeros), and room for
-    one m-tile of every warp's reduction tile in the W bytes of the ``GEMV_RING`` slots (d_mem >= 512 for 2 warps
-    per slot)."""
+    one m-tile of every warp's reduction tile in the W bytes of ``slots`` slots per owner (at ``GEMV_RING``, d_mem >=
+    512 for 2 warps per slot)."""
     chunks = d_mem // (16 * RING_STEPS * nw)  # per slot owner
     return (mt % mw == 0 and mt // mw <= 4 and d_mem % (16 * RING_STEPS * nw) == 0 and d % GEMV_PANEL == 0
-            and mw * 16 * (GEMV_PANEL + 4) * 4 <= min(GEMV_RING, chunks) * _RING_W)
+            and mw * 16 * (GEMV_PANEL + 4) * 4 <= min(slots, chunks) * _RING_W)
 
 
 def _gemv_epilogue(mt: int, nw: int, taps: int, ring: int = 0, mw: int = 1) -> tuple[int, int, int]:
@@ -759,7 +758,7 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
                        depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0, mw: int = 1,
-                       late_cache: bool = True, v_first: bool = False):
+                       late_cache: bool = True, v_first: bool = True):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -767,10 +766,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     26.2 / 33.2, so the op uses it up to ``GEMV_MAX_BATCH`` rows only.
 
     - Grid (2 NP, batch / (16 mt)), NP = ceil(d / 64): CTA x < NP owns column panel x of W_K, CTA x >= NP panel
-      x - NP of W_V, over all d_mem rows (no float32 partials, no per-panel counter); with ``v_first`` the other way
-      round (block x < NP takes panel x of W_V), so that the V CTAs, which finish the step, start first: with the
-      ring their loop had ended 1.0-1.9 us after the K CTAs' (H200, d=4096: B=1 17.10 -> 16.70 us, B=64 21.35 ->
-      20.51; at d=7168 on the register path, two CTAs per SM, it measured 2 % slower). At B <= 16 that is 128 CTAs
+      x - NP of W_V, over all d_mem rows (no float32 partials, no per-panel counter); with the ring and ``v_first``
+      (its default) the other way round (block x < NP takes panel x of W_V), so that the V CTAs, which finish the
+      step, start first: their loop had ended 1.0-1.9 us after the K CTAs' (H200, d=4096: B=1 17.10 -> 16.70 us,
+      B=64 21.35 -> 20.51; on the register path at d=7168, two CTAs per SM, it measured 2 % slower, so that path
+      keeps the K CTAs first; False is the sweep's reference point). At B <= 16 that is 128 CTAs
       (d=4096) or 224 (d=7168), all co-resident at 2 per SM.
     - W goes from global memory straight into registers: 16-byte ``ld.global.nc.L1::no_allocate``, ``depth`` k16
       steps ahead, fully unrolled (no shared memory, no barrier in the loop). Warp w streams rows
@@ -833,11 +833,11 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
     R = taps - 1
     RS = GEMV_PANEL + 4  # padded row stride of the reduction tile (floats)
     assert not timeline or 2 * NP * TIMELINE_STAMPS <= _GEMV_CTR, "the timeline's words would reach the counters"
-    assert not ring or ring_ok(mt, nw, d_mem, d, mw), "the W ring needs <= 4 m-tiles a warp, whole steps and panels"
+    assert not ring or ring_ok(mt, nw, d_mem, d, mw, ring), (
+        "the W ring needs <= 4 m-tiles a warp, whole steps and panels, room for the reduction tile")
     assert mw == 1 or ring, "warps share W only through the ring's slots"
     NC = SPW // RING_STEPS  # ring chunks per warp (RING_STEPS k16 steps each)
     NS = min(ring, NC)  # ring slots per warp
-    assert not ring or nw * mw * 16 * RS * 4 <= nw * NS * _RING_W, "a warp's m-tile must fit in the ring's W bytes"
     prelude = _gemv_prelude(MTW, dtype, mw > 1)
 
     def valid_w(row, col):
@@ -1071,9 +1071,9 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             tx = T.get_thread_binding()
             cv = tx % nv
             ctr = _GEMV_CTR + 2 * by
-            # the CTA's role: a K panel below NP, else a V panel; with ``v_first`` the V CTAs take the first block
-            # indices (the lower ones start first)
-            cta = (bx + NP) % (2 * NP) if v_first else bx
+            # the CTA's role: a K panel below NP, else a V panel; with the ring and ``v_first`` the V CTAs take the
+            # first block indices (the lower ones start first)
+            cta = (bx + NP) % (2 * NP) if ring and v_first else bx
             stamps = (by * 2 * NP + cta) * TIMELINE_STAMPS
             stamp(Ctr, tx, stamps, 0)
             if cta < NP:
@@ -1220,7 +1220,7 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
         smem = GEMV_RING_SMEM if cfg["min_blocks"] == 2 else MAX_SMEM_PER_BLOCK
         if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
                             or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] > smem):
-            cfg.update(ring=0, mw=1, v_first=False)  # (more than one m-tile then takes another path)
+            cfg.update(ring=0, mw=1)  # (more than one m-tile then takes another path)
         fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] <= MAX_SMEM_PER_BLOCK
         if ((cfg["mt"] == 1 or cfg["ring"]) and fits and _waiters(B, d, 16 * cfg["mt"]) < sms
                 and _GEMV_CTR + 2 * tiles <= _CTR_LEN):
