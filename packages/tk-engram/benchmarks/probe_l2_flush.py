@@ -10,7 +10,8 @@ workload is timed (kernel time from the profiler's CUPTI records, median of ``IT
 through ``device_time_us`` (the benchmarks' figure). Workloads: copies of 32 MiB and 1 GiB, the decode W read of
 ``probe_w_read.py`` (``panel_x2``, 16 loads per thread in flight), and ``engram_decode_step`` at the anchors.
 With the argument ``gemv``: ``decode_gemv_kernel`` at B = 1 in other warp counts, load depths, CTAs per SM and
-W ring sizes (``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes (``timeline``).
+W ring sizes (``GEMV_CONFIGS``) instead. With ``timeline``: where the GEMV's time goes (``timeline``). With
+``evict``: L2 eviction policies (``evict``).
 """
 
 import statistics
@@ -79,13 +80,13 @@ def w_bytes(d_mem: int, d: int) -> int:
     return 2 * d_mem * d * 2
 
 
-def report_w_read(layout: str):
+def report_w_read(layout: str, policy: str = ""):
     """``report`` of ``probe_w_read.py``'s plain read in ``layout`` with its most loads in flight."""
     W = torch.randn(probe_w_read.R, probe_w_read.C, device="cuda").bfloat16()
     u = max(probe_w_read.IN_FLIGHT[layout])
-    k = probe_w_read.read_kernel.get(W.device, layout=layout, U=u)
+    k = probe_w_read.read_kernel.get(W.device, layout=layout, U=u, policy=policy)
     out = torch.empty(probe_w_read.LAYOUTS[layout] * probe_w_read.THREADS, dtype=torch.float32, device="cuda")
-    report(f"W read {layout} U={u}", lambda: k(W, out), W.numel() * 2)
+    report(f"W read {layout} U={u} policy={policy or '-'}", lambda: k(W, out), W.numel() * 2)
 
 
 def gemv_configs():
@@ -144,6 +145,25 @@ def timeline():
                   f" -> stores {m[10]:.2f}, stores -> end {m[11]:.2f} us", flush=True)
 
 
+def evict():
+    """The plain W read under each L2 policy of ``probe_w_read.POLICIES`` (hinted loads), then the op's GEMV
+    kernels with and without ``w_evict_first``, under both flushes."""
+    for _ in range(2):
+        for policy in ["", *probe_w_read.POLICIES]:
+            report_w_read("panel_x2", policy)
+    d_mem = 2048
+    for B, d in ((1, 4096), (8, 4096), (32, 4096), (64, 4096), (1, 7168)):
+        e, h, state, pos, WK, WV, wh, wv, cw = decode_inputs(B, d_mem, d)
+        y = torch.empty_like(h)
+        sums = decode.decode_scratch(B, d_mem, d, h.device, "gemv")[1]
+        ctr = decode._counters(h.device)
+        for w_evict_first in (False, True, False, True):
+            k = decode.decode_gemv_kernel.get(h.device, dtype="bfloat16", d_mem=d_mem, d=d, taps=4, dilation=1,
+                                              w_evict_first=w_evict_first, **decode.decode_plan(B, d_mem, d)[1])
+            fn = lambda k=k: k(e, WK, WV, h, wh, wv, cw, state, pos, y, sums, ctr, 1e-6)  # noqa: E731
+            report(f"gemv B={B} d={d} w_evict_first={w_evict_first}", fn, w_bytes(d_mem, d))
+
+
 def main():
     for mib in (32, 1024):
         src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda").random_()
@@ -161,4 +181,4 @@ def main():
 
 
 if __name__ == "__main__":
-    {"gemv": gemv_configs, "timeline": timeline}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"gemv": gemv_configs, "timeline": timeline, "evict": evict}.get(sys.argv[1] if sys.argv[1:] else "", main)()

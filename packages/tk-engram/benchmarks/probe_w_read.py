@@ -8,7 +8,8 @@ loads by CTAs of 128 threads, 8 loads per thread in flight, in four orders: ``pa
 ``panel_x2`` (256 CTAs, 2 per SM: each panel split into two halves of the rows), ``panel256`` (128 CTAs, a
 256-column panel over a quarter of the rows: 512-byte segments) and ``rows`` (128 CTAs, 16 whole rows each: 256 KB
 contiguous). Each order runs with 8 loads per thread in flight (16 KB per CTA) and with as many as the GEMV keeps
-per SM (64 KB: 32 loads per thread at 1 CTA per SM, 16 at 2). CUPTI, L2 flushed.
+per SM (64 KB: 32 loads per thread at 1 CTA per SM, 16 at 2). CUPTI, L2 flushed. ``read_kernel(policy=...)``
+loads with an L2 cache hint instead (``POLICIES``; ``probe_l2_flush.py evict``).
 """
 
 import tilelang.language as T
@@ -23,14 +24,37 @@ LAYOUTS = {"panel": 128, "panel_x2": 256, "panel256": 128, "rows": 128}  # layou
 IN_FLIGHT = {"panel": (8, 32), "panel_x2": (8, 16), "panel256": (8, 32), "rows": (8,)}  # layout: loads per thread
 
 
+# L2 policies of the hinted load (``createpolicy``'s operands), by name
+POLICIES = {
+    "evict_first": "fractional.L2::evict_first.b64 %0, 1.0",
+    "evict_first_half": "fractional.L2::evict_first.L2::evict_unchanged.b64 %0, 0.5",
+    "evict_unchanged": "fractional.L2::evict_unchanged.b64 %0, 1.0",
+    "evict_normal": "fractional.L2::evict_normal.b64 %0, 1.0",
+}
+
+
+def hinted_load(policy: str) -> str:
+    return r"""
+__device__ __forceinline__ void tkp_ld_hint(void* dst, const void* src) {
+  uint4 v;
+  unsigned long long pol;
+  asm("createpolicy.POLICY;" : "=l"(pol));
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(src), "l"(pol));
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+""".replace("POLICY", POLICIES[policy])
+
+
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
-def read_kernel(layout: str, U: int = 8):
+def read_kernel(layout: str, U: int = 8, policy: str = ""):
     ctas = LAYOUTS[layout]
+    hinted = bool(policy)
     steps = R * C // (ctas * THREADS * 8)  # 16-byte vectors per thread
 
     @T.prim_func
     def main(W: T.Tensor((R, C), "bfloat16"), out: T.Tensor((ctas * THREADS,), "float32")):
-        with T.Kernel(ctas, threads=THREADS) as c:
+        with T.Kernel(ctas, threads=THREADS, prelude=hinted_load(policy) if policy else "") as c:
             tx = T.get_thread_binding()
             buf = T.alloc_local((U, 8), "bfloat16")
             acc = T.alloc_local((1,), "float32")
@@ -51,8 +75,11 @@ def read_kernel(layout: str, U: int = 8):
                         flat = (c * steps + s) * THREADS * 8 + tx * 8
                         row = flat // C
                         col = flat % C
-                    for e in T.vectorized(8):
-                        buf[u, e] = W[row, col + e]
+                    if hinted:
+                        T.call_extern("handle", "tkp_ld_hint", T.address_of(buf[u, 0]), T.address_of(W[row, col]))
+                    else:
+                        for e in T.vectorized(8):
+                            buf[u, e] = W[row, col + e]
                 for u in T.unroll(U):  # keeps the loads
                     acc[0] = acc[0] + T.cast(buf[u, 0], "float32") + T.cast(buf[u, 7], "float32")
             out[c * THREADS + tx] = acc[0]

@@ -6,8 +6,8 @@
 ``GEMV_MAX_BATCH`` rows, or up to ``GEMV_RING_MAX_BATCH`` with the W ring, else ``decode_fused_kernel`` or the two
 launches); ``old`` the dispatch before the ring took more than two m-tiles (session 29: the GEMV up to 32 rows, else
 the fused kernel or the two launches); ``two`` the two launches for every batch above ``GEMV_MAX_BATCH``; ``mw2`` two
-warps per ring slot from 17 rows (one m-tile per warp at 17-32 rows); ``early`` and ``kfirst`` the ring kernels
-without ``late_cache`` / ``v_first`` (the kernel's reference points). Both paths are built
+warps per ring slot from 17 rows (one m-tile per warp at 17-32 rows); ``early``, ``kfirst`` and ``normal`` the ring
+kernels without ``late_cache`` / ``v_first`` / ``w_evict_first`` (the kernel's reference points). Both paths are built
 explicitly, every kernel in one ``tilelang.par_compile`` pool per factory, then each is checked against
 ``reference.decode_step_ref`` (the GPU test's tolerances, run-to-run bit equality, the GEMV counters back at
 zero) on the anchors (``new`` also on odd shapes: d = 200 / 1088, d_mem = 24 / 64 / 520, batch 0, 1, 3, 13, 17,
@@ -95,9 +95,17 @@ def early_plan(B, d_mem, d):
     return path, cfg
 
 
+def evict_normal_plan(B, d_mem, d):
+    """The ring kernels with W's TMA copies under the L2's normal eviction policy."""
+    path, cfg = decode.decode_plan(B, d_mem, d)
+    if path == "gemv" and cfg["ring"]:
+        cfg = dict(cfg, w_evict_first=False)
+    return path, cfg
+
+
 # name -> plan(B, d_mem, d) -> (path, tuning)
 VARIANTS = {"new": decode.decode_plan, "old": old_plan, "two": two_launch_plan, "mw2": mw2_plan, "early": early_plan,
-            "kfirst": kfirst_plan}
+            "kfirst": kfirst_plan, "normal": evict_normal_plan}
 
 
 def keys_of(path, cfg, d_mem, d, dil, dt):

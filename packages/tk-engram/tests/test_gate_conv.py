@@ -327,6 +327,9 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     # the W ring (TMA into shared memory) where the shape allows it, else the register-direct loads
     assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d == 4096)
     assert ("tkd_ldw((" in src) != (cfg["ring"] > 0)
+    # W's copies (read once) under the L2 evict-first hint; e's (read by every CTA) under the normal one
+    assert all(("tma_load<tl::CacheHintSm90::EVICT_FIRST>(" + f"{w}_desc") in src for w in ("WK", "WV")) == (d == 4096)
+    assert "EVICT_FIRST>(E_desc" not in src
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
     for B, mt, mw in ((32, 2, 1), (64, 4, 2)):  # 2 and 4 m-tiles through the W ring where the shape allows it
         path, cfg = decode.decode_plan(B, d_mem, d)

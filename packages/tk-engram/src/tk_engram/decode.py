@@ -758,7 +758,7 @@ __device__ __forceinline__ void tkd_leave_done(int* w, unsigned old, unsigned nv
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, mt: int = 1, nw: int = 4,
                        depth: int = 8, min_blocks: int = 2, timeline: bool = False, ring: int = 0, mw: int = 1,
-                       late_cache: bool = True, v_first: bool = True):
+                       late_cache: bool = True, v_first: bool = True, w_evict_first: bool = True):
     """The whole decode step in one launch for small batches: a register-direct tensor-core GEMV, no split-K.
 
     Why (H200, CUPTI, L2 flushed, d_mem 2048, session 4): at d=4096 B=1 / 8 16.4 / 17.1 us against the fused
@@ -789,6 +789,13 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us from a clean L2, 16.05 -> 16.2 after the
       benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9 clean but 22.7 -> 25.2 dirty (session
       28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
+    - ``w_evict_first`` (the ring's default): the W copies carry TMA's L2 evict-first hint. W is read once per step,
+      so its lines are the ones to replace, not what the L2 held before the step; after the benchmarks' flush
+      (dirty lines that must be written back when evicted) that is 8-9 % of the step (H200, d=4096: B = 1 / 8 / 32
+      / 64 16.44 / 16.49 / 17.78 / 21.10 -> 14.86 / 15.02 / 16.31 / 19.30 us), from a clean L2 it is within 1 %
+      either way (12.81 / 13.17 / 14.54 / 17.97 -> 12.84 / 13.22 / 14.67 / 18.00). The register path's loads with
+      the same hint (``ld.global...L2::cache_hint``) measured equal at d=7168, so they stay plain. False is the
+      sweep's reference point.
     - With ``mw`` > 1, ``mw`` warps share each ring slot (``nw`` slot owners, ``nw mw`` warps): warp w reads its k
       rows as owner w % nw and takes m-tiles [(w // nw) mt / mw, ...) of the slot's e rows; the owner's first warp
       issues the copies once all of the slot's warps have read the chunk before (a named barrier of the ``mw`` warps
@@ -917,7 +924,8 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
             T.call_extern("handle", "tkd_bar_sync", 1 + owner, 32 * mw)
         if lead:
             T.tma_copy(W[row0:row0 + KR, panel * GEMV_PANEL:(panel + 1) * GEMV_PANEL],
-                       wr[slot * KR:slot * KR + KR, :], barrier=bars[slot], leader_scope_threads=32)
+                       wr[slot * KR:slot * KR + KR, :], barrier=bars[slot], leader_scope_threads=32,
+                       eviction_policy="evict_first" if w_evict_first else None)
             T.tma_copy(E[by * MR:by * MR + MR, row0:row0 + KR], er[slot * MR:slot * MR + MR, :], barrier=bars[slot],
                        leader_scope_threads=32)
             T.barrier_arrive(bars[slot])
