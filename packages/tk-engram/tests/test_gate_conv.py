@@ -235,10 +235,12 @@ def test_decode_plan_cpu():
     assert decode.decode_plan(33, 512, 4096)[0] == "gemv"
     assert decode.decode_plan(70, 512, 7168)[0] == "two_launch"
     assert decode.decode_plan(8, 2048, 7168, sms=100)[0] == "two_launch"  # 112 waiting CTAs need 113 SMs
-    # the W ring: whole panels and k16 steps, one CTA per SM, room beside the epilogue's operands at 2 CTAs per SM
-    assert decode.decode_plan(16, 2048, 4096)[1]["ring"] == decode.GEMV_RING
+    # the W ring: whole panels and k16 steps, the whole grid resident (2 CTAs per SM for one m-tile, which the
+    # waiting V CTAs' rule already implies), room beside the epilogue's operands at 2 CTAs per SM
+    for d, sms in ((4096, 132), (4096, 65), (7168, 132), (7168, 113)):
+        assert decode.decode_plan(16, 2048, d, sms) == ("gemv", decode.gemv_config(16, 2048, d))
+        assert decode.gemv_config(16, 2048, d)["ring"] == decode.GEMV_RING
     assert decode.decode_plan(1, 2048, 200)[1]["ring"] == decode.decode_plan(1, 2040, 4096)[1]["ring"] == 0
-    assert decode.decode_plan(1, 2048, 7168)[1]["ring"] == decode.decode_plan(1, 2048, 4096, 127)[1]["ring"] == 0
     rings = [decode.decode_plan(1, 2048, 4096, taps=taps)[1]["ring"] for taps in range(1, 53)]
     assert rings == sorted(rings, reverse=True) and rings[0] == decode.GEMV_RING and rings[-1] == 0
     for taps, ring in enumerate(rings, 1):
@@ -325,10 +327,10 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
     assert "mma.sync" in src and "tkd_poll" in src and "__expf" not in src and "tk_silu_approx(" in src
     # the W ring (TMA into shared memory) where the shape allows it, else the register-direct loads
-    assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d == 4096)
+    assert ("tma_load(" in src and "tkd_ring_step(" in src) == (cfg["ring"] > 0) == (d != 200)
     assert ("tkd_ldw((" in src) != (cfg["ring"] > 0)
     # W's copies (read once) under the L2 evict-first hint; e's (read by every CTA) under the normal one
-    assert all(("tma_load<tl::CacheHintSm90::EVICT_FIRST>(" + f"{w}_desc") in src for w in ("WK", "WV")) == (d == 4096)
+    assert all(("tma_load<tl::CacheHintSm90::EVICT_FIRST>(" + f"{w}_desc") in src for w in ("WK", "WV")) == (d != 200)
     assert "EVICT_FIRST>(E_desc" not in src
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
     for B, mt, mw in ((32, 2, 1), (64, 4, 2)):  # 2 and 4 m-tiles through the W ring where the shape allows it

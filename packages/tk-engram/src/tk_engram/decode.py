@@ -788,7 +788,9 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       flight (the register path's limit, PERF-NOTES session 27). The reduction tile then reuses the ring's bytes,
       one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us from a clean L2, 16.05 -> 16.2 after the
       benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9 clean but 22.7 -> 25.2 dirty (session
-      28), so ``decode_plan`` takes it only where the grid is one CTA per SM.
+      28) until the W copies took the evict-first hint below; with it the ring is faster there as well (B = 1 / 8
+      22.86 / 23.39 -> 22.10 / 22.36 us dirty, CLEAN_TBD clean), so ``decode_plan`` takes it wherever the whole
+      grid is resident at once.
     - ``w_evict_first`` (the ring's default): the W copies carry TMA's L2 evict-first hint. W is read once per step,
       so its lines are the ones to replace, not what the L2 held before the step; after the benchmarks' flush
       (dirty lines that must be written back when evicted) that is 8-9 % of the step (H200, d=4096: B = 1 / 8 / 32
@@ -1215,7 +1217,7 @@ TWO_LAUNCH_MAX_D = 4096
 def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> tuple[str, dict]:
     """(path, tuning) of a decode step with ``taps`` conv taps: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH``
     rows while its epilogue operands fit in shared memory (up to 52 taps), and up to ``GEMV_RING_MAX_BATCH`` rows
-    where the W ring applies with two or four m-tiles (one CTA per SM, up to 22 / 8 taps); ("two_launch",
+    where the W ring applies with two or four m-tiles (one CTA per SM: 132 or fewer panels, up to 22 / 8 taps); ("two_launch",
     ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
     ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
     ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
@@ -1223,10 +1225,10 @@ def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> t
     if B <= GEMV_RING_MAX_BATCH:
         cfg = gemv_config(B, d_mem, d)
         tiles = ceil_div(B, 16 * cfg["mt"])
-        # the W ring only where the grid is at most one CTA per SM (with two it measured slower: PERF-NOTES session
-        # 28) and its slots fit beside the epilogue's operands (at 2 CTAs per SM for one m-tile)
+        # the W ring only where the whole grid is resident at once (``min_blocks`` CTAs per SM) and its slots fit
+        # beside the epilogue's operands (at 2 CTAs per SM for one m-tile)
         smem = GEMV_RING_SMEM if cfg["min_blocks"] == 2 else MAX_SMEM_PER_BLOCK
-        if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms
+        if cfg["ring"] and (2 * ceil_div(d, GEMV_PANEL) * tiles > sms * cfg["min_blocks"]
                             or _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] > smem):
             cfg.update(ring=0, mw=1)  # (more than one m-tile then takes another path)
         fits = _gemv_epilogue(cfg["mt"], cfg["nw"], taps, cfg["ring"], cfg["mw"])[2] <= MAX_SMEM_PER_BLOCK
