@@ -17,12 +17,12 @@ read and one slot written per step (no shift copy).
 Kernels (``decode_plan`` picks one path per shape; every sum has a fixed order, no float atomics, so results
 are identical run to run):
 - up to ``GEMV_MAX_BATCH`` rows, one launch of ``decode_gemv_kernel``: one CTA per 64-column panel of W_K or
-  W_V over all of d_mem, W loaded straight into registers for mma.sync (no split-K), or where the grid is one CTA
-  per SM through a per-warp TMA ring in shared memory; the V CTAs wait for all K CTAs' row sums, then do the gate,
-  convolution and cache update. Measured
-  8-13 % faster than the fused kernel at B = 1 / 8 on the H200 (its docstring). With the ring (d <= 4224, d_mem a
-  multiple of 256; from 33 rows of 512) the same launch takes up to ``GEMV_RING_MAX_BATCH`` rows, all in one CTA
-  per panel (from 33 rows two warps per ring slot).
+  W_V over all of d_mem, through a per-warp TMA ring in shared memory (W's copies under the L2 evict-first hint)
+  where the panels are whole and the grid is resident at once, else straight into registers for mma.sync (no
+  split-K); the V CTAs wait for all K CTAs' row sums, then do the gate, convolution and cache update. Measured
+  8-13 % faster than the fused kernel at B = 1 / 8 on the H200 (its docstring). With the ring at one CTA per SM
+  (d <= 4224, d_mem a multiple of 256; from 33 rows of 512) the same launch takes up to ``GEMV_RING_MAX_BATCH`` rows,
+  all in one CTA per panel (from 33 rows two warps per ring slot).
 - more rows (at d <= 4096 without the ring: 17 to 31 rows), one launch of ``decode_fused_kernel``: a tensor-core
   projection for both weights (W read once for up to 64 rows per 64-column panel; d_mem split into float32
   partials so that the grid fills the GPU) whose last CTA per panel (an arrival counter) sums the partials in a
@@ -789,7 +789,7 @@ def decode_gemv_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int,
       one m-tile at a time. H200, d=4096 B=1 (128 CTAs): 14.4 -> 13.0 us from a clean L2, 16.05 -> 16.2 after the
       benchmarks' dirty flush; at d=7168 (224 CTAs, 2 per SM) 20.2 -> 19.9 clean but 22.7 -> 25.2 dirty (session
       28) until the W copies took the evict-first hint below; with it the ring is faster there as well (B = 1 / 8
-      22.86 / 23.39 -> 22.10 / 22.36 us dirty, CLEAN_TBD clean), so ``decode_plan`` takes it wherever the whole
+      22.86 / 23.39 -> 22.10 / 22.36 us dirty; B=1 20.26 -> 19.42 clean), so ``decode_plan`` takes it wherever the whole
       grid is resident at once.
     - ``w_evict_first`` (the ring's default): the W copies carry TMA's L2 evict-first hint. W is read once per step,
       so its lines are the ones to replace, not what the L2 held before the step; after the benchmarks' flush
@@ -1217,8 +1217,8 @@ TWO_LAUNCH_MAX_D = 4096
 def decode_plan(B: int, d_mem: int, d: int, sms: int = _SMS, taps: int = 4) -> tuple[str, dict]:
     """(path, tuning) of a decode step with ``taps`` conv taps: ("gemv", ``gemv_config``) up to ``GEMV_MAX_BATCH``
     rows while its epilogue operands fit in shared memory (up to 52 taps), and up to ``GEMV_RING_MAX_BATCH`` rows
-    where the W ring applies with two or four m-tiles (one CTA per SM: 132 or fewer panels, up to 22 / 8 taps); ("two_launch",
-    ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
+    where the W ring applies with two or four m-tiles (one CTA per SM: d <= 4,224 on 132 SMs; up to 22 / 8 taps);
+    ("two_launch", ``proj_config``) from ``TWO_LAUNCH_MIN_BATCH`` rows at d <= ``TWO_LAUNCH_MAX_D``; else ("fused",
     ``fused_config``), or the two launches when the fused kernel's waiting CTAs would not leave at least one of
     ``sms`` SMs free for the CTAs they wait for (the GEMV kernel's likewise). ``_decode_dev`` plans again with the
     actual GPU's SMs (shape logic only here: it also runs under torch.compile)."""
