@@ -10,6 +10,7 @@ stores under ``createpolicy.fractional.L2::evict_first``, timed after the dirty 
 import tilelang.language as T
 import torch
 from probe_l2_flush import report
+from probe_w_read import POLICIES
 
 from tk_core.jit import kernel
 
@@ -18,7 +19,7 @@ THREADS, CTAS, U = 256, 512, 4  # 4 steps per thread cover N exactly
 PRELUDE = r"""
 __device__ __forceinline__ unsigned long long tkp_ef() {
   unsigned long long pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  asm("createpolicy.POLICY;" : "=l"(pol));
   return pol;
 }
 __device__ __forceinline__ void tkp_ld(void* dst, const void* src, int ef) {
@@ -35,7 +36,7 @@ __device__ __forceinline__ void tkp_st(void* dst, const void* src, int ef) {
   else asm volatile("st.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                     : "memory");
 }
-"""
+""".replace("POLICY", POLICIES["evict_first"])
 
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})

@@ -315,10 +315,11 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
 DECODE_VARIANTS = [("bfloat16", 2048, 4096, 4, 1), ("bfloat16", 2048, 7168, 4, 3), ("float16", 64, 200, 4, 2)]
 
 
+# One test per decode kernel, so that xdist spreads the long compiles (the d=4096 kernels took 95 s in one test).
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype,d_mem,d,taps,dilation", DECODE_VARIANTS)
-def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
+def test_compile_decode_gemv(arch, dtype, d_mem, d, taps, dilation):
     from tk_engram import decode
 
     p = dict(dtype=dtype, d_mem=d_mem, d=d, taps=taps, dilation=dilation)
@@ -333,21 +334,47 @@ def test_compile_decode(arch, dtype, d_mem, d, taps, dilation):
     assert all(("tma_load<tl::CacheHintSm90::EVICT_FIRST>(" + f"{w}_desc") in src for w in ("WK", "WV")) == (d != 200)
     assert "EVICT_FIRST>(E_desc" not in src
     assert "tkd_stamp((" not in src  # the probe's timeline only where asked for
-    for B, mt, mw in ((32, 2, 1), (64, 4, 2)):  # 2 and 4 m-tiles through the W ring where the shape allows it
-        path, cfg = decode.decode_plan(B, d_mem, d)
-        if d == 4096:
-            assert path == "gemv" and (cfg["mt"], cfg["mw"]) == (mt, mw) and cfg["ring"] > 0
-            src = assert_compiles(decode.decode_gemv_kernel, arch, **p, **cfg)
-            assert "tma_load(" in src and "tkd_ring_step(" in src and ("tkd_bar_sync(" in src) == (mw > 1)
-    # block_m 64, as at B=64 (d = 7168); from 17 rows where the ring does not apply
-    src = assert_compiles(decode.decode_fused_kernel, arch, **p, **decode.fused_config(64, d_mem, d))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("B,mt,mw", [(32, 2, 1), (64, 4, 2)])
+def test_compile_decode_gemv_m_tiles(arch, B, mt, mw):
+    """2 and 4 m-tiles through the W ring at the d=4096 anchor."""
+    from tk_engram import decode
+
+    dtype, d_mem, d, taps, dilation = DECODE_VARIANTS[0]
+    path, cfg = decode.decode_plan(B, d_mem, d)
+    assert path == "gemv" and (cfg["mt"], cfg["mw"]) == (mt, mw) and cfg["ring"] > 0
+    src = assert_compiles(decode.decode_gemv_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, taps=taps,
+                          dilation=dilation, **cfg)
+    assert "tma_load(" in src and "tkd_ring_step(" in src and ("tkd_bar_sync(" in src) == (mw > 1)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype,d_mem,d,taps,dilation", DECODE_VARIANTS)
+def test_compile_decode_fused(arch, dtype, d_mem, d, taps, dilation):
+    """block_m 64, as at B=64 (d = 7168); from 17 rows where the ring does not apply."""
+    from tk_engram import decode
+
+    src = assert_compiles(decode.decode_fused_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, taps=taps,
+                          dilation=dilation, **decode.fused_config(64, d_mem, d))
     assert "mma" in src and "tk_grid_wait" in src and "__expf" not in src
-    for B in (1, 64):  # the two-launch path: large batches, and smaller GPUs
-        cfg = decode.proj_config(B, d_mem, d)
-        src = assert_compiles(decode.decode_proj_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, **cfg)
-        assert "mma" in src and "cp_async" in src
-        assert_compiles(decode.decode_step_kernel, arch, dtype=dtype, d=d, taps=taps, dilation=dilation,
-                        splits=cfg["splits"], cluster=decode.STEP_CLUSTER)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("B", [1, 64])  # the two-launch path: large batches, and smaller GPUs
+@pytest.mark.parametrize("dtype,d_mem,d,taps,dilation", DECODE_VARIANTS)
+def test_compile_decode_two_launch(arch, B, dtype, d_mem, d, taps, dilation):
+    from tk_engram import decode
+
+    cfg = decode.proj_config(B, d_mem, d)
+    src = assert_compiles(decode.decode_proj_kernel, arch, dtype=dtype, d_mem=d_mem, d=d, **cfg)
+    assert "mma" in src and "cp_async" in src
+    assert_compiles(decode.decode_step_kernel, arch, dtype=dtype, d=d, taps=taps, dilation=dilation,
+                    splits=cfg["splits"], cluster=decode.STEP_CLUSTER)
 
 
 @pytest.mark.compile
