@@ -162,6 +162,9 @@ def test_compiles(arch, params):
 
     src = assert_compiles(per_block_cast_lossless_kernel, arch, **params)
     assert "__byte_perm" in src and ("uint4" in src or "store_global_256" in src)  # byte LUT, 16/32-byte stores
+    # the error words share bytes with the 2-D blocks' block-maximum partials: a barrier after the partials' last read
+    if "part)[" in src:
+        assert "__syncthreads" in src[src.rindex("part)["):src.index("warp_err)[")]
 
 
 # --- gpu tier -----------------------------------------------------------------------------------------

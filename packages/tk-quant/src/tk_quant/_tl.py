@@ -208,7 +208,13 @@ def stochastic_code_e2m1(y, r):
 def store_cta_count(err, bid, count, warp_sums, tx, warps: int, zero_counts: bool):
     """The CTA's sum of the threads' int32 ``count[0]`` into ``err[bid]`` (``count[0]`` is clobbered): a warp
     butterfly, one shared word per warp (``warp_sums``), thread 0 adds the warps in order. With ``zero_counts``
-    False only a nonzero sum is written (the slots are zeroed host words, ``tk_core.hostmem``)."""
+    False only a nonzero sum is written (the slots are zeroed host words, ``tk_core.hostmem``).
+
+    It starts with a barrier: TileLang places ``warp_sums`` on the bytes of the kernel's other shared buffers (their
+    lifetimes end before it is written, by its analysis), and its sync planner did not order a slow warp's last read
+    of those buffers before a fast warp's write here (the lossless cast's block-maximum partials of 2-D output blocks
+    had no barrier between their last read and this write)."""
+    T.sync_threads()
     for off in (16, 8, 4, 2, 1):
         count[0] += T.shfl_xor(count[0], off)
     if tx % 32 == 0:
