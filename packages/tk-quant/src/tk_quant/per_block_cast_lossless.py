@@ -183,25 +183,18 @@ def per_block_cast_lossless_kernel(
     bufs: int = 0,
     int_lut: bool = True,
     threads: int = THREADS,
-    dynamic: bool = False,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
     holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``); ``int_lut`` False: every row's
     byte LUT by the float conversions (the sweep's reference point for the integer path); ``threads``: CTA size
-    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line); ``dynamic``: the
-    dynamic tile order (below; a sweep variant, not yet timed), with the device counters ``sched`` (int32 ``[2]``,
-    zero before the first launch, every launch leaves them zero) as an argument after ``err``. TileLang's sync
-    planner adds a barrier per tile to it, which its ring's own barriers make needless: ``sweep_lossless.py``
-    compiles it without the planner.
+    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
     ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
     and raw input scales) into the register buffer the previous tile freed (the loop is unrolled by ``bufs``: no
     copies between them) before it converts and stores the current one, so loads stay in flight across the
-    conversion and the stores. In the static order CTA ``bid`` takes tiles ``bid + i * num_ctas``; in the dynamic
-    order only its first ``bufs + 1``, and the later ones from a device counter, so that a CTA whose loads are
-    served sooner takes more tiles (one-row output blocks then take one barrier per tile, for the tile index).
+    conversion and the stores.
 
     Block maximum: in-thread over a thread's rows, then xor-shuffles over the lanes of the block; only blocks
     taller than a warp's rows (128 x bk) go through shared memory: one partial per warp (one buffer per tile
@@ -329,8 +322,16 @@ def per_block_cast_lossless_kernel(
                 load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + bufs - 1) * nctas, tx)
             convert(out, sf, nerr, part, xc, swc, rc, cc, par, tx, nm)
 
-    @T.macro
-    def body(x, sf_in, out, sf, err, s0, s1, sched):
+    @T.prim_func
+    def main(
+        x: T.Tensor((num_tokens, hidden // 8), "int32"),
+        sf_in: T.Tensor((sf_in_len,), in_dtype),
+        out: T.Tensor((num_tokens, hidden // 4), "uint32"),
+        sf: T.Tensor((sf_len,), sf_dtype),
+        err: T.Tensor((num_ctas,), "int32"),
+        s0: T.int32,
+        s1: T.int32,
+    ):
         ntiles = NXT * T.ceildiv(num_tokens, BM)
         with T.Kernel(num_ctas, threads=threads, prelude=_PRELUDE) as bid:
             if min_blocks > 1:
@@ -344,90 +345,19 @@ def per_block_cast_lossless_kernel(
             warp_err = T.alloc_shared((threads // 32,), "int32")
             nerr[0] = 0
             nm = T.ceildiv(num_tokens, bm_out)
-            if dynamic:
-                # Tiles after the first bufs + 1 come from the device counter sched[0] (offset by (bufs + 1) x CTAs),
-                # so that a CTA whose loads are served sooner takes more tiles. ring[i % 4] holds iteration i's tile:
-                # thread 0 publishes iteration i + bufs's tile in iteration i, before that iteration's barrier (the
-                # block maximum's, or one of its own for one-row blocks), fetched one iteration earlier, so the
-                # atomic's latency is hidden. Iteration i reads its own slot (is its tile one?) and i + bufs - 1's
-                # (the tile it loads), both published a barrier earlier; a slot is rewritten only after the barrier
-                # that follows its last read. The tiles only grow, so the first one past the end ends the loop. The
-                # tiles are read from the ring where needed, not kept per buffer: registers are what the one-row
-                # blocks' 6 CTAs per SM have least of.
-                ring = T.alloc_shared((4,), "int32")
-                fetched = T.alloc_local((1,), "int32")
-                itr = T.alloc_local((1,), "int32")
-                for b in tuple(range(bufs - 1)):
+            niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
+
+            load(x, sf_in, s0, s1, *buf[0], bid, tx)
+            for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
+                if b < niter:
                     load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
-                if tx == 0:
-                    for b in tuple(range(bufs)):
-                        ring[b] = bid + b * num_ctas
-                    fetched[0] = bid + bufs * num_ctas
-                T.sync_threads()
-                itr[0] = 0
-                while ring[T.bitwise_and(itr[0], 3)] < ntiles:
-                    for b in tuple(range(bufs)):
-                        if ring[T.bitwise_and(itr[0], 3)] < ntiles:
-                            if tx == 0:
-                                ring[T.bitwise_and(itr[0] + bufs, 3)] = fetched[0]
-                                if fetched[0] < ntiles:
-                                    fetched[0] = (bufs + 1) * num_ctas + T.atomic_add(sched[0], 1, return_prev=True)
-                            nxt = ring[T.bitwise_and(itr[0] + bufs - 1, 3)]
-                            if nxt < ntiles:
-                                load(x, sf_in, s0, s1, *buf[(b + bufs - 1) % bufs], nxt, tx)
-                            convert(out, sf, nerr, part, *buf[b], b, tx, nm)
-                            if WPB == 1:
-                                T.sync_threads()
-                            itr[0] = itr[0] + 1
-                if tx == 0:
-                    # the last CTA to finish resets the counters for the next launch: the release orders each CTA's
-                    # fetches before its arrival here, so no fetch follows the reset
-                    fetched[0] = T.atomic_add(sched[1], 1, memory_order="acq_rel", return_prev=True)
-                    if fetched[0] == num_ctas - 1:
-                        sched[0] = 0
-                        sched[1] = 0
-            else:
-                niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
-                load(x, sf_in, s0, s1, *buf[0], bid, tx)
-                for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
-                    if b < niter:
-                        load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
-                for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
-                    # bufs tiles per step, one per buffer (no copies between them)
-                    for b in tuple(range(bufs)):
-                        step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs],
-                             itb * bufs + b, niter, num_ctas, bid, tx, nm, b)
+            for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
+                # bufs tiles per step, one per buffer (no copies between them)
+                for b in tuple(range(bufs)):
+                    step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs], itb * bufs + b, niter,
+                         num_ctas, bid, tx, nm, b)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
             _tl.store_cta_count(err, bid, nerr, warp_err, tx, threads // 32, zero_counts)
-
-    if dynamic:
-
-        @T.prim_func
-        def main(
-            x: T.Tensor((num_tokens, hidden // 8), "int32"),
-            sf_in: T.Tensor((sf_in_len,), in_dtype),
-            out: T.Tensor((num_tokens, hidden // 4), "uint32"),
-            sf: T.Tensor((sf_len,), sf_dtype),
-            err: T.Tensor((num_ctas,), "int32"),
-            sched: T.Tensor((2,), "int32"),
-            s0: T.int32,
-            s1: T.int32,
-        ):
-            body(x, sf_in, out, sf, err, s0, s1, sched)
-
-    else:
-
-        @T.prim_func
-        def main(
-            x: T.Tensor((num_tokens, hidden // 8), "int32"),
-            sf_in: T.Tensor((sf_in_len,), in_dtype),
-            out: T.Tensor((num_tokens, hidden // 4), "uint32"),
-            sf: T.Tensor((sf_len,), sf_dtype),
-            err: T.Tensor((num_ctas,), "int32"),
-            s0: T.int32,
-            s1: T.int32,
-        ):
-            body(x, sf_in, out, sf, err, s0, s1, None)
 
     return main
 
