@@ -146,3 +146,55 @@ def test_blocks_per_sm():
     # 65,536 registers, 2,048 threads and 32 CTAs per SM; never below one CTA
     assert jit.blocks_per_sm(224, 72) == 4 and jit.blocks_per_sm(256, 72) == 3
     assert jit.blocks_per_sm(256, 16) == 8 and jit.blocks_per_sm(32, 16) == 32 and jit.blocks_per_sm(1024, 255) == 1
+
+
+def two_stagings(shared_aliases=()):
+    """A factory whose two shared buffers live one after the other, so that TileLang puts them on the same bytes."""
+
+    @jit.kernel(shared_aliases=shared_aliases)
+    def reversed_twice(n: int):
+        @T.prim_func
+        def main(x: T.Tensor((n,), "float32"), y: T.Tensor((n,), "float32")):
+            with T.Kernel(1, threads=n):
+                tx = T.get_thread_binding()
+                first = T.alloc_shared((n,), "float32")
+                second = T.alloc_shared((n,), "float32")
+                v = T.alloc_local((1,), "float32")
+                first[tx] = x[tx]
+                T.sync_threads()
+                v[0] = first[n - 1 - tx]
+                second[tx] = v[0] * 2
+                T.sync_threads()
+                y[tx] = second[n - 1 - tx]
+
+        return main
+
+    return reversed_twice
+
+
+def test_shared_overlaps_of_a_merge_log():
+    """The plan TileLang logs (tl.debug_merge_shared_memory_allocations), one block per device function."""
+    from tk_core.testing.compile_check import shared_overlaps, shared_plans
+
+    log = """Debug: Memory Allocation Plan for Dynamic Shared Memory:
+  Individual Buffer Allocations:
+    Buffer: red (Type: float32), Start Offset: 0, Size: 2048 bytes, End Offset: 2047
+    Buffer: sinv (Type: float32), Start Offset: 2048, Size: 512 bytes, End Offset: 2559
+    Buffer: cnt (Type: int32), Start Offset: 2044, Size: 8 bytes, End Offset: 2051
+Debug: End of Memory Allocation Plan.
+  Individual Buffer Allocations:
+    Buffer: a (Type: float32), Start Offset: 0, Size: 16 bytes, End Offset: 15
+    Buffer: b (Type: float32), Start Offset: 16, Size: 16 bytes, End Offset: 31
+Debug: End of Memory Allocation Plan."""
+    plans = shared_plans(log)
+    assert plans == [[("red", 0, 2048), ("sinv", 2048, 512), ("cnt", 2044, 8)], [("a", 0, 16), ("b", 16, 16)]]
+    assert shared_overlaps(plans) == {frozenset(("red", "cnt")), frozenset(("sinv", "cnt"))}
+
+
+@pytest.mark.compile
+def test_compile_tier_fails_on_undeclared_shared_aliases():
+    """TileLang gives ``second`` the bytes of ``first``; the compile tier accepts that only when declared."""
+    with pytest.raises(AssertionError, match=r"\('first', 'second'\)"):
+        assert_compiles(two_stagings(), "sm_90a", n=128)
+    src = assert_compiles(two_stagings([("second", "first")]), "sm_90a", n=128)
+    assert src.count("__syncthreads") == 3  # the sync planner orders the reuse here

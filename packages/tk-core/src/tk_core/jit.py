@@ -71,9 +71,12 @@ def target_of(arch: str) -> dict:
 class KernelFactory:
     """A TileLang kernel factory with a per-(arch, parameters) cache of compiled kernels."""
 
-    def __init__(self, factory: Callable, pass_configs: dict | None = None):
+    def __init__(self, factory: Callable, pass_configs: dict | None = None,
+                 shared_aliases: Iterable[tuple[str, str]] = ()):
         self.factory = factory
         self.pass_configs = pass_configs or {}
+        # Pairs of shared buffers whose bytes TileLang may overlay (see ``kernel``), checked by the compile tier.
+        self.shared_aliases = frozenset(frozenset(pair) for pair in shared_aliases)
         self.name = factory.__name__
         self._cache: dict = {}
         self._lock = threading.Lock()  # guards _key_locks
@@ -148,11 +151,20 @@ def launcher(kernel) -> Callable:
     return module.main
 
 
-def kernel(factory: Callable | None = None, *, pass_configs: dict | None = None):
-    """Decorator: makes a kernel factory a cached ``KernelFactory``."""
+def kernel(factory: Callable | None = None, *, pass_configs: dict | None = None,
+           shared_aliases: Iterable[tuple[str, str]] = ()):
+    """Decorator: makes a kernel factory a cached ``KernelFactory``.
+
+    ``shared_aliases``: pairs of ``T.alloc_shared`` buffer names that TileLang may place on the same bytes, each
+    checked by hand to be ordered by a barrier (or read and rewritten by the same thread only). TileLang's shared
+    memory merge gives a buffer the bytes of one whose last use comes earlier in the program, and its sync planner
+    does not always put a barrier between a slow warp's last read and a fast warp's first write (it counted a
+    barrier inside a conditional block that the last loop iteration skips); with ``tl.disable_thread_storage_sync``
+    nothing does. The compile tier (``tk_core.testing.compile_check.assert_compiles``) fails on an overlap of
+    buffers not named here."""
     if factory is None:
-        return functools.partial(kernel, pass_configs=pass_configs)
-    return KernelFactory(factory, pass_configs)
+        return functools.partial(kernel, pass_configs=pass_configs, shared_aliases=shared_aliases)
+    return KernelFactory(factory, pass_configs, shared_aliases)
 
 
 def precompile(

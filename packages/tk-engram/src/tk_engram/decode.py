@@ -405,7 +405,11 @@ def fused_config(B: int, d_mem: int, d: int, sms: int = _SMS) -> dict:
     return dict(block_m=64, block_k=64, stages=3, splits=splits, min_blocks=2, threads=256)
 
 
-@kernel(pass_configs={"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True})
+# TileLang puts the accumulators' staging (KO, VO) on the pipeline's tiles, after the barrier its planner places
+# behind the last gemm, and the arrival flag on KO, after the barrier behind the partials' stores (KO is not read
+# after them).
+@kernel(pass_configs={"tl.disable_warp_specialized": True, "tl.disable_safe_memory_legalize": True},
+        shared_aliases=[("K_s", "KO"), ("K_s", "VO"), ("A_s", "VO"), ("K_s", "flag"), ("KO", "flag")])
 def decode_fused_kernel(dtype: str, d_mem: int, d: int, taps: int, dilation: int, block_m: int = 16,
                         block_k: int = 64, stages: int = 4, splits: int = 4, min_blocks: int = 2,
                         threads: int = 128):

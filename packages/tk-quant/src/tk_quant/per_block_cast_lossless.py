@@ -166,8 +166,9 @@ __device__ __forceinline__ unsigned tk_fp4x4_hi(int w, unsigned l0, unsigned l1)
 
 
 # The bounds of every access are already guarded by the row/column tests: the legalizer's extra checks would
-# load the input scale twice.
-@kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
+# load the input scale twice. TileLang puts the error count's words on the block-maximum partials (ordered by the
+# barrier that starts ``_tl.store_cta_count``).
+@kernel(pass_configs={"tl.disable_safe_memory_legalize": True}, shared_aliases=[("part", "warp_err")])
 def per_block_cast_lossless_kernel(
     hidden: int,
     bm_in: int,

@@ -873,7 +873,9 @@ def channel_tile(hidden: int, bm: int, threads: int = THREADS) -> tuple[int, int
     return cols, cl, bm * cl // threads
 
 
-@kernel(pass_configs=_PASS_CONFIGS)
+# TileLang puts the scale words on the amax partials (thread tx writes sinv[tx] on red[0, tx], which only it
+# reads) and the transposed tile on both, after the barrier its sync planner places behind the scale reads.
+@kernel(pass_configs=_PASS_CONFIGS, shared_aliases=[("red", "sinv"), ("red", "tile"), ("sinv", "tile")])
 def swiglu_fwd_channel_kernel(
     hidden: int,
     bm: int,
