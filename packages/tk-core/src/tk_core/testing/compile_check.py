@@ -29,18 +29,23 @@ def dynamic_smem_bytes(factory: KernelFactory, arch: str, compiled=None, **param
 
 @contextlib.contextmanager
 def _stderr_text():
-    """Collects what native code writes to file descriptor 2 (TileLang's logging) into the yielded list."""
+    """Collects what native code writes to file descriptor 2 (TileLang's logging) into the yielded list; if the
+    block raises, the text goes back to stderr, so that a failed compile keeps its diagnostics."""
     text = []
     with tempfile.TemporaryFile("w+") as log:
         saved = os.dup(2)
         os.dup2(log.fileno(), 2)
+        failed = True
         try:
             yield text
+            failed = False
         finally:
             os.dup2(saved, 2)
             os.close(saved)
             log.seek(0)
             text.append(log.read())
+            if failed:
+                os.write(2, text[0].encode())
 
 
 def shared_plans(log: str) -> list[list[tuple[str, int, int]]]:
