@@ -213,7 +213,8 @@ def store_cta_count(err, bid, count, warp_sums, tx, warps: int, zero_counts: boo
     It starts with a barrier: TileLang places ``warp_sums`` on the bytes of the kernel's other shared buffers (their
     lifetimes end before it is written, by its analysis), and its sync planner did not order a slow warp's last read
     of those buffers before a fast warp's write here (the lossless cast's block-maximum partials of 2-D output blocks
-    had no barrier between their last read and this write)."""
+    had no barrier between their last read and this write: it counted a barrier inside a conditional block that a
+    CTA's last loop iteration skips). Callers declare that overlay in their factory's ``shared_aliases``."""
     T.sync_threads()
     for off in (16, 8, 4, 2, 1):
         count[0] += T.shfl_xor(count[0], off)
