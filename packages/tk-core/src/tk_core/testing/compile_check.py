@@ -66,11 +66,13 @@ def shared_overlaps(plans) -> set[frozenset]:
             if a[1] < b[1] + b[2] and b[1] < a[1] + a[2]}
 
 
-def assert_compiles(factory: KernelFactory, arch: str, **params) -> str:
-    """Compiles with spills as errors, checks shared memory and its undeclared overlays, returns the CUDA source."""
+def assert_compiles(factory: KernelFactory, arch: str, *, allow_spills: bool = False, **params) -> str:
+    """Compiles with spills as errors, checks shared memory and its undeclared overlays, returns the CUDA source.
+    ``allow_spills``: for the variants whose known spills were measured and accepted; the shared-memory checks
+    still apply."""
     plan_factory = KernelFactory(factory.factory, factory.pass_configs | _PLAN_CONFIG)
     with _stderr_text() as log:
-        kernel = plan_factory.compile(arch, strict=True, **params)
+        kernel = plan_factory.compile(arch, strict=not allow_spills, **params)
     artifact = getattr(kernel, "artifact", None)
     if artifact is None:  # loaded from TileLang's disk cache: its passes did not run; one lowering gives both
         with _stderr_text() as log:
