@@ -88,7 +88,7 @@ def bwd_jobs():
     bwd, dconv = [], []
     for _, _, d, taps, dil in ANCHORS:
         p = dict(dtype="bfloat16", d=d, taps=taps, dilation=dil)
-        cfg = bwd_config(d)
+        cfg = bwd_config(d, arch_of(None))
         bwd.append((gate_conv_bwd_kernel, dict(p, **cfg)))
         if not cfg["with_dconv"]:
             dconv.append((gate_conv_dconv_kernel, dict(p, **DCONV_PARAMS)))

@@ -30,12 +30,18 @@ from tk_engram import gate_conv, reference
 def config(split_max=2, cluster_chunk=2 * gate_conv.CHUNK):
     """A ``bwd_config``: ``split_max`` 1 is the one-CTA-per-chunk kernel of session 6 at every width;
     ``cluster_chunk`` the tokens a 2-CTA cluster walks (single CTAs keep ``CHUNK``)."""
-    def cfg(d):
+    def cfg(d, arch):
         split = min(K.bwd_split(d), split_max)
         fused = K.fuse_dconv(d // split)
         chunk = cluster_chunk if split > 1 else gate_conv.CHUNK
-        return dict(chunk=chunk, split=split, with_dconv=fused, **gate_conv.BWD_PARAMS[fused])
+        return dict(chunk=chunk, split=split, with_dconv=fused, resident_w=fused and arch in gate_conv.RESIDENT_W_ARCHS,
+                    **gate_conv.BWD_PARAMS[fused])
     return cfg
+
+
+def default_with(**over):
+    """The op default with ``over`` set (bound now: ``main`` replaces ``gate_conv.bwd_config`` by the variant)."""
+    return lambda d, arch, cfg=gate_conv.bwd_config: dict(cfg(d, arch), **over)
 
 
 VARIANTS = {
@@ -44,7 +50,9 @@ VARIANTS = {
     "split_c64": config(cluster_chunk=64),  # twice the clusters: two rounds at 8192 tokens
     "split_c32": config(cluster_chunk=32),
     # the approximate sigmoid at every width (the op takes it in the cluster kernels only)
-    "approx": lambda d, cfg=gate_conv.bwd_config: dict(cfg(d), approx_sigmoid=True),
+    "approx": default_with(approx_sigmoid=True),
+    # session 35: the weights loaded where each stage uses them (the default before it, and on sm_100a)
+    "stage_w": default_with(resident_w=False),
     # the op default with TileLang's shared-memory sync planner on (as before session 23; ``PLANNER_KERNEL``): at
     # d > 4096 it added two barriers per token around the row sums' exchange
     "planner": gate_conv.bwd_config,
@@ -70,7 +78,7 @@ SHAPES = [(*a, torch.bfloat16, 0.5) for a in ANCHORS] + ODD
 def jobs(variant):
     out = []
     for _, _, d, taps, dil, dt, _ in SHAPES:
-        cfg = VARIANTS[variant](d)
+        cfg = VARIANTS[variant](d, arch_of(None))
         p = dict(dtype=TL[dt], d=d, taps=taps, dilation=dil)
         out.append((main_kernel(variant), dict(p, **cfg)))
         if not cfg["with_dconv"]:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tk_core import config
-from tk_core.jit import ARCHS
+from tk_core.jit import ARCHS, arch_of
 from tk_core.testing import assert_equal, calc_diff, capture_cuda_graph
 from tk_core.testing.compile_check import MAX_SMEM_PER_BLOCK, assert_compiles, dynamic_smem_bytes
 from tk_engram import (
@@ -293,12 +293,15 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
     src = assert_compiles(K.gate_conv_fwd_kernel, arch, allow_spills=spills, **fp)
     assert "uint4" in src and "__expf" not in src and "__fdividef" not in src
     assert src.count("tk_silu_approx(") > 1 and "expf(" in src  # SiLU approximate, the gate's sigmoid precise
-    bp = dict(p, **bwd_config(d))
+    bp = dict(p, **bwd_config(d, arch))
     if bp["with_dconv"]:
+        # sm_90a keeps the weights in registers for the whole walk (without a spill: the check above)
+        assert bp["resident_w"] == (arch == "sm_90a")
         src = assert_compiles(K.gate_conv_bwd_kernel, arch, **bp)
-        # exactly the split kernels sync their cluster, write the peer's shared memory and take the approximate
-        # sigmoid
+        # exactly the split kernels sync their cluster, write the peer's shared memory, wait for it with the
+        # acquire restricted to shared memory and take the approximate sigmoid
         assert ("tl::cluster_sync()" in src) == ("st.async.shared::cluster" in src) == (bp["split"] == 2)
+        assert ("tk_mbar_wait_smem(" in src) == (bp["split"] == 2)
         assert (src.count("tk_sigmoid_approx(") > 1) == (bp["split"] == 2)
     else:
         assert_compiles(K.gate_conv_bwd_kernel, arch, allow_spills=True, **bp)
@@ -473,25 +476,28 @@ def test_gpu_fwd_kernel_variants_are_bit_identical(M, T, d, taps, dilation, dtyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES[:4])
-def test_gpu_bwd_shared_layouts_are_bit_identical(M, T, d, taps, dilation, dtype):
-    """The backward's float32 shared rows in two planes or contiguous: the same bits in every output."""
+@pytest.mark.parametrize("flag", ["planes", "resident_w", "ahead"])
+def test_gpu_bwd_layouts_are_bit_identical(M, T, d, taps, dilation, dtype, flag):
+    """The backward with one layout choice flipped (the float32 shared rows in two planes or contiguous, the
+    weights in registers for the walk or loaded per stage, stage A's rows and statistics an iteration ahead or
+    not): the same bits in every output."""
     from tk_engram.gate_conv import _num_parts, bwd_config
 
     x = _inputs(M, T, d, taps, dtype, "cuda")
     stats = engram_gate_conv_fwd(*x, dilation=dilation)[2:6]
     dY = torch.randn(M, T, d, device="cuda").to(dtype)
-    cfg = bwd_config(d)
+    cfg = bwd_config(d, arch_of(x[0].device))
     p = dict(dtype={torch.float16: "float16", torch.bfloat16: "bfloat16"}[dtype], d=d, taps=taps, dilation=dilation,
              **cfg)
     rows = 2 + taps if cfg["with_dconv"] else 2
 
-    def run(planes):
+    def run(**over):
         out = [torch.full((M, T, d), float("nan"), dtype=dtype, device="cuda") for _ in range(3)]
         out.append(torch.full((_num_parts(M, T, dilation, cfg["chunk"]), rows, d), float("nan"), device="cuda"))
-        K.gate_conv_bwd_kernel.get(x[0].device, **dict(p, planes=planes))(dY, *x, *stats, *out)
+        K.gate_conv_bwd_kernel.get(x[0].device, **dict(p, **over))(dY, *x, *stats, *out)
         return out
 
-    for a, b in zip(run(True), run(False), strict=True):
+    for a, b in zip(run(), run(**{flag: not p[flag]}), strict=True):
         assert_equal(a, b)
 
 

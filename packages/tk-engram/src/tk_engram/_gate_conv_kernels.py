@@ -577,6 +577,15 @@ __device__ __forceinline__ void tk_mbar_wait(void* bar, unsigned parity) {
                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra TK_WAIT;\n\t}"
                :: "r"(tk_smem(bar)), "r"(parity) : "memory");
 }
+// The same wait for an mbarrier that only guards shared memory the peers wrote with st.async: relaxed, then an
+// acquire fence restricted to shared::cluster, which pairs with st.async's release (its complete_tx) without the
+// L1 invalidation (CCTL.IVALL) that an acquire over all state spaces costs after every wait.
+__device__ __forceinline__ void tk_mbar_wait_smem(void* bar, unsigned parity) {
+  asm volatile("{\n\t.reg .pred p;\n\tTK_WAIT:\n\t"
+               "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra TK_WAIT;\n\t}"
+               :: "r"(tk_smem(bar)), "r"(parity) : "memory");
+  asm volatile("fence.acquire.sync_restrict::shared::cluster.cluster;" ::: "memory");
+}
 __device__ __forceinline__ void tk_st_peer_f32(float* p, void* bar, unsigned rank, float v) {
   unsigned a, b;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(tk_smem(p)), "r"(rank));
@@ -628,7 +637,7 @@ def bwd_elementwise(dtype: str, approx: bool = False):
 # cross-thread access; the rings and accumulators are per-thread columns.
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
-                         vecs: int = 1, hoist_w: bool = True, ahead: bool = True, planes: bool = True,
+                         vecs: int = 1, resident_w: bool = True, ahead: bool = True, planes: bool = True,
                          split: int = 1, approx_sigmoid: bool = False):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
@@ -636,14 +645,15 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     reduced in a fixed order afterwards: no atomics, bitwise reproducible.
 
     Iteration ``it`` runs stage A (n, u, g_u of chain token it-R) and stage B (the gate backward of token
-    it-2R). Memory is pipelined: stage A's V and dY rows arrive one iteration ahead (registers), stage B's
-    H, k, V, dY rows and the weights are issued at the top of the iteration so that they fly during stage A,
-    and stay in registers across the barrier (no reload). The per-thread rings (n, g_u) and the drms_w
-    accumulators live in shared memory and move as 16-byte vectors. ``hoist_w`` loads the weights once per
-    iteration, with the rows; otherwise each stage loads its slot's weights where it uses them (L1 hits), which
-    lowers the register peak (no spills at d=4096 on sm_90a and sm_100a). ``ahead=False`` issues stage A's rows
-    with stage B's at the top of their own iteration (8 registers fewer per vector, still one round trip per
-    iteration).
+    it-2R). Memory is pipelined: stage A's V and dY rows and its two statistics (alpha, rrms_v) arrive one
+    iteration ahead (registers), stage B's H, k, V, dY rows are issued at the top of the iteration so that they fly
+    during stage A, and stay in registers across the barrier (no reload). The per-thread rings (n, g_u) and the
+    drms_w accumulators live in shared memory and move as 16-byte vectors. ``resident_w``: the thread's columns
+    of w_h, w_v and the conv taps are loaded into registers once, before the walk (H200: 0.424 -> 0.470 of copy at
+    d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits behind the rows in flight, PERF-NOTES
+    session 35); otherwise each stage loads its slot's weights where it uses them (L1 hits), which lowers the
+    register peak (on sm_100a the resident weights spill). ``ahead=False`` issues stage A's rows and statistics
+    where it uses them (8 registers fewer per vector, still one round trip per iteration).
 
     Each element takes few instructions (every rounding, product and sum has the operands and order of the
     per-element formulas): ``bwd_elementwise``'s widening, pair rounding of n, the gated fast reciprocal (or with
@@ -745,6 +755,8 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             tt = T.alloc_local((VEC,), f32)
             sg = T.alloc_local((VEC,), f32)
             km = T.alloc_local((1,), "uint32")
+            sa = T.alloc_local((2,), f32)  # stage A's alpha and rrms_v (``ahead``: sn holds the next iteration's)
+            sn = T.alloc_local((2,), f32)
             nch = T.ceildiv(L, dilation * chunk)
             base = br + dilation * chunk * bc
             pid = (bm * dilation + br) * nch + bc
@@ -767,11 +779,18 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             if ahead and t0 >= 0:
                 load_row(nv, V, bm, t0, tx, slots, threads, DW, cb)
                 load_row(nd, dY, bm, t0, tx, slots, threads, DW, cb)
+                sn[0] = alpha[bm, t0]
+                sn[1] = rr_v[bm, t0]
             if split > 1:  # the peer's shared memory is written from the first token on: it must be running
                 if tx == 0:
                     for q in T.unroll(2):
                         T.evaluate(T.call_extern("handle", "tk_mbar_init", T.address_of(mbar[q])))
                 cluster_sync()
+            if resident_w:
+                for s in T.unroll(slots):
+                    c0 = (s * threads + tx) * VEC
+                    if c0 < DW:
+                        load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
             for it in T.serial(2 * R + chunk):
                 tj = base + dilation * (it - R)
                 ti = tj - dilation * R
@@ -781,9 +800,13 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for e in T.unroll(EV):
                         av[e] = nv[e]
                         ad[e] = nd[e]
+                    sa[0] = sn[0]
+                    sa[1] = sn[1]
                 elif tj >= 0 and tj < L:
                     load_row(av, V, bm, tj, tx, slots, threads, DW, cb)
                     load_row(ad, dY, bm, tj, tx, slots, threads, DW, cb)
+                    sa[0] = alpha[bm, tj]
+                    sa[1] = rr_v[bm, tj]
                 do_b = it >= 2 * R and ti < L
                 if do_b:
                     load_row(xa, H, bm, ti, tx, slots, threads, DW, cb)
@@ -794,11 +817,8 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                 if ahead and it + 1 < 2 * R + chunk and tn >= 0 and tn < L:  # stage A of the next iteration
                     load_row(nv, V, bm, tn, tx, slots, threads, DW, cb)
                     load_row(nd, dY, bm, tn, tx, slots, threads, DW, cb)
-                if hoist_w:
-                    for s in T.unroll(slots):
-                        c0 = (s * threads + tx) * VEC
-                        if c0 < DW:
-                            load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
+                    sn[0] = alpha[bm, tn]
+                    sn[1] = rr_v[bm, tn]
                 # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 if tj < 0:
                     for s in T.unroll(slots):
@@ -808,12 +828,12 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         for e in T.vectorized(VEC):
                             ring_n[sj, c0 + e] = nn[e]
                 elif tj < L:
-                    a = alpha[bm, tj]
-                    rv = rr_v[bm, tj]
+                    a = sa[0]
+                    rv = sa[1]
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < DW:
-                            if not hoist_w:
+                            if not resident_w:
                                 load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
                             for q in T.unroll(1, taps):
                                 for e in T.vectorized(VEC):
@@ -867,7 +887,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < DW:
-                            if not hoist_w:
+                            if not resident_w:
                                 load_bwd_weights(wl, wm, cw, w_h, w_v, conv_w, s, cb + c0, taps, EV)
                             for e in T.unroll(VEC):
                                 gn[s * VEC + e] = T.float32(0)
@@ -901,7 +921,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         T.evaluate(T.call_extern("handle", "tk_mbar_expect", T.address_of(mbar[rb]), nwarps * 16))
                     T.sync_threads()
                     if split > 1:  # completion k of mbar[rb] is token 2R + rb + 2k's (stage B runs from it = 2R on)
-                        T.evaluate(T.call_extern("handle", "tk_mbar_wait", T.address_of(mbar[rb]),
+                        T.evaluate(T.call_extern("handle", "tk_mbar_wait_smem", T.address_of(mbar[rb]),
                                                  T.bitwise_and(T.truncdiv(it - 2 * R, 2), 1)))
                     for q in T.unroll(4):
                         tot[q] = T.if_then_else(lane < nwarps * split, red[rb, q, lane], T.float32(0))

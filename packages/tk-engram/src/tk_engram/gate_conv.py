@@ -54,6 +54,7 @@ partials are not counted.
 import torch
 
 from tk_core import checks
+from tk_core.jit import arch_of
 from tk_core.layout import vector_aligned
 from tk_core.library import device_op
 
@@ -93,27 +94,35 @@ FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
 # 0.288 -> 0.382 of copy (sweep_gate_conv_bwd_s7.log). Other wide rows: 2 vectors per thread (448 threads at d=7168
 # measured 0.288 / 0.279 of copy at dilation 1 / 3 against 0.268 / 0.271 with 1 vector and 896 threads, whose
 # 72-register cap spills), contiguous rows (the planes measured 6 % slower there) and the dconv kernel. Both: stage
-# A's rows one iteration ahead, the weights loaded where each stage uses them (hoisting them spills on sm_100a).
+# A's rows and statistics one iteration ahead (the statistics: 0.470 -> 0.489 of copy at d=4096 on the H200), the
+# weights in registers for the whole walk where that does not spill (``RESIDENT_W_ARCHS``), else loaded where each
+# stage uses them.
 BWD_PARAMS = {
-    True: dict(vecs=1, hoist_w=False, ahead=True, planes=True),
-    False: dict(vecs=2, hoist_w=False, ahead=True, planes=False),
+    True: dict(vecs=1, ahead=True, planes=True),
+    False: dict(vecs=2, ahead=True, planes=False),
 }
+# Archs whose fused backward keeps the weights in registers (``resident_w``) without spilling: on sm_100a the
+# same kernels spill 8-36 bytes at the 128-register cap (1 CTA of 512 / 448 threads per SM), and their speed there
+# is unmeasured.
+RESIDENT_W_ARCHS = ("sm_90a",)
 # dconv kernel (wide rows without the fused path): 128 tokens x 128 threads at 4 CTAs/SM (one wave at d=7168, 8192
 # tokens, where it ran before the cluster).
 DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 
 
-def bwd_config(d: int) -> dict:
+def bwd_config(d: int, arch: str) -> dict:
     """The backward main kernel's parameters for rows of ``d`` columns: ``split`` CTAs (a cluster) per chain chunk
     (``bwd_split``: 2 for 4096 < d <= 8192), then ``BWD_PARAMS`` by whether dconv_w is accumulated in the main
     kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it). The cluster kernels take the
     approximate sigmoid (``approx_sigmoid``: 0.381 -> 0.400 of copy at d=7168 on the H200; at d=4096 it measured
     1.4 % slower, so the single-CTA kernels keep the precise one). A cluster walks ``2 * CHUNK``
     tokens, so that at 8192 tokens the clusters fill one wave as single CTAs of ``CHUNK`` tokens do (the H200 at
-    d=7168: 544 us against 561 at 64 tokens and 597 at 32 per cluster; run 1 of sweep_gate_conv_bwd_s7.log)."""
+    d=7168: 544 us against 561 at 64 tokens and 597 at 32 per cluster; run 1 of sweep_gate_conv_bwd_s7.log).
+    ``arch`` (of the device) picks whether the fused kernels keep the weights in registers (``RESIDENT_W_ARCHS``)."""
     split = bwd_split(d)
     fused = fuse_dconv(d // split)
-    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1, **BWD_PARAMS[fused])
+    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1,
+                resident_w=fused and arch in RESIDENT_W_ARCHS, **BWD_PARAMS[fused])
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -235,7 +244,7 @@ def _gate_conv_bwd_dev(
     part: torch.Tensor, dpart: torch.Tensor, dilation: int,
 ) -> None:
     d, taps = H.shape[2], conv_w.shape[0]
-    cfg = bwd_config(d)
+    cfg = bwd_config(d, arch_of(H.device))
     params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation)
     gate_conv_bwd_kernel.get(H.device, **cfg, **params)(
         dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dH, dk, dv, part
@@ -273,7 +282,7 @@ def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, r
     if M * T == 0:
         z = torch.zeros((2 + taps, d), dtype=torch.float32, device=dev)
         return dH, dk, dv, z[0], z[1], z[2:]
-    cfg = bwd_config(d)
+    cfg = bwd_config(d, arch_of(H.device))
     fused = cfg["with_dconv"]
     if not bwd_fits(d // cfg["split"], taps, cfg["vecs"]):  # rows too wide for the kernel's shared-memory rings
         return reference.gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v,
