@@ -34,8 +34,7 @@ def config(split_max=2, cluster_chunk=2 * gate_conv.CHUNK):
         split = min(K.bwd_split(d), split_max)
         fused = K.fuse_dconv(d // split)
         chunk = cluster_chunk if split > 1 else gate_conv.CHUNK
-        return dict(chunk=chunk, split=split, with_dconv=fused, resident_w=fused and arch in gate_conv.RESIDENT_W_ARCHS,
-                    **gate_conv.BWD_PARAMS[fused])
+        return dict(chunk=chunk, split=split, with_dconv=fused, **gate_conv.bwd_params(fused, arch))
     return cfg
 
 

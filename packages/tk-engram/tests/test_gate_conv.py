@@ -301,7 +301,8 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
         # exactly the split kernels sync their cluster, write the peer's shared memory, wait for it with the
         # acquire restricted to shared memory and take the approximate sigmoid
         assert ("tl::cluster_sync()" in src) == ("st.async.shared::cluster" in src) == (bp["split"] == 2)
-        assert ("tk_mbar_wait_smem(" in src) == (bp["split"] == 2)
+        assert ("fence.acquire.sync_restrict::shared::cluster" in src) == (bp["split"] == 2)
+        assert "mbarrier.try_wait.parity.acquire" not in src
         assert (src.count("tk_sigmoid_approx(") > 1) == (bp["split"] == 2)
     else:
         assert_compiles(K.gate_conv_bwd_kernel, arch, allow_spills=True, **bp)

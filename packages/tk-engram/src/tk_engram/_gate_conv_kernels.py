@@ -572,15 +572,10 @@ __device__ __forceinline__ void tk_mbar_init(void* bar) {
 __device__ __forceinline__ void tk_mbar_expect(void* bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(tk_smem(bar)), "r"(bytes) : "memory");
 }
+// Waits for phase ``parity`` of an mbarrier that guards only shared memory the peers wrote with st.async: a relaxed
+// wait, then an acquire fence restricted to shared::cluster, which pairs with st.async's release (its complete_tx)
+// without the L1 invalidation (CCTL.IVALL) that an acquire over all state spaces costs after every wait.
 __device__ __forceinline__ void tk_mbar_wait(void* bar, unsigned parity) {
-  asm volatile("{\n\t.reg .pred p;\n\tTK_WAIT:\n\t"
-               "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra TK_WAIT;\n\t}"
-               :: "r"(tk_smem(bar)), "r"(parity) : "memory");
-}
-// The same wait for an mbarrier that only guards shared memory the peers wrote with st.async: relaxed, then an
-// acquire fence restricted to shared::cluster, which pairs with st.async's release (its complete_tx) without the
-// L1 invalidation (CCTL.IVALL) that an acquire over all state spaces costs after every wait.
-__device__ __forceinline__ void tk_mbar_wait_smem(void* bar, unsigned parity) {
   asm volatile("{\n\t.reg .pred p;\n\tTK_WAIT:\n\t"
                "mbarrier.try_wait.parity.relaxed.cluster.shared::cta.b64 p, [%0], %1;\n\t@!p bra TK_WAIT;\n\t}"
                :: "r"(tk_smem(bar)), "r"(parity) : "memory");
@@ -921,7 +916,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         T.evaluate(T.call_extern("handle", "tk_mbar_expect", T.address_of(mbar[rb]), nwarps * 16))
                     T.sync_threads()
                     if split > 1:  # completion k of mbar[rb] is token 2R + rb + 2k's (stage B runs from it = 2R on)
-                        T.evaluate(T.call_extern("handle", "tk_mbar_wait_smem", T.address_of(mbar[rb]),
+                        T.evaluate(T.call_extern("handle", "tk_mbar_wait", T.address_of(mbar[rb]),
                                                  T.bitwise_and(T.truncdiv(it - 2 * R, 2), 1)))
                     for q in T.unroll(4):
                         tot[q] = T.if_then_else(lane < nwarps * split, red[rb, q, lane], T.float32(0))

@@ -122,7 +122,13 @@ def bwd_config(d: int, arch: str) -> dict:
     split = bwd_split(d)
     fused = fuse_dconv(d // split)
     return dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1,
-                resident_w=fused and arch in RESIDENT_W_ARCHS, **BWD_PARAMS[fused])
+                **bwd_params(fused, arch))
+
+
+def bwd_params(fused: bool, arch: str) -> dict:
+    """``BWD_PARAMS[fused]`` with ``resident_w`` for ``arch``: the fused kernels keep the weights in registers on
+    ``RESIDENT_W_ARCHS``."""
+    return dict(BWD_PARAMS[fused], resident_w=fused and arch in RESIDENT_W_ARCHS)
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
