@@ -633,7 +633,7 @@ def bwd_elementwise(dtype: str, approx: bool = False):
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
                          vecs: int = 1, resident_w: bool = True, ahead: bool = True, planes: bool = True,
-                         split: int = 1, approx_sigmoid: bool = False):
+                         split: int = 1, approx_sigmoid: bool = False, stats_b: bool = False):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
     per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
@@ -648,7 +648,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits behind the rows in flight, PERF-NOTES
     session 35); otherwise each stage loads its slot's weights where it uses them (L1 hits), which lowers the
     register peak (on sm_100a the resident weights spill). ``ahead=False`` issues stage A's rows and statistics
-    where it uses them (8 registers fewer per vector, still one round trip per iteration).
+    where it uses them (8 registers fewer per vector, still one round trip per iteration). ``stats_b`` (a sweep
+    variant prepared in session 36, not yet measured): stage B's four statistics are loaded with its rows at the top
+    of the iteration instead of after stage A.
 
     Each element takes few instructions (every rounding, product and sum has the operands and order of the
     per-element formulas): ``bwd_elementwise``'s widening, pair rounding of n, the gated fast reciprocal (or with
@@ -752,6 +754,8 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             km = T.alloc_local((1,), "uint32")
             sa = T.alloc_local((2,), f32)  # stage A's alpha and rrms_v (``ahead``: sn holds the next iteration's)
             sn = T.alloc_local((2,), f32)
+            if stats_b:
+                sb = T.alloc_local((4,), f32)  # stage B's alpha, rrms_h, rrms_k, rrms_v, loaded with its rows
             nch = T.ceildiv(L, dilation * chunk)
             base = br + dilation * chunk * bc
             pid = (bm * dilation + br) * nch + bc
@@ -804,6 +808,11 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     sa[1] = rr_v[bm, tj]
                 do_b = it >= 2 * R and ti < L
                 if do_b:
+                    if stats_b:
+                        sb[0] = alpha[bm, ti]
+                        sb[1] = rr_h[bm, ti]
+                        sb[2] = rr_k[bm, ti]
+                        sb[3] = rr_v[bm, ti]
                     load_row(xa, H, bm, ti, tx, slots, threads, DW, cb)
                     load_row(xb, K, bm, ti, tx, slots, threads, DW, cb)
                     load_row(xc, V, bm, ti, tx, slots, threads, DW, cb)
@@ -873,10 +882,13 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         store32(ring_g, gj, c0, gv)
                 # ---- stage B: token i = it - 2R (norm and gate backward, dH, dk, dv) ----
                 if do_b:
-                    a = alpha[bm, ti]
-                    rh = rr_h[bm, ti]
-                    rk = rr_k[bm, ti]
-                    rv = rr_v[bm, ti]
+                    if stats_b:
+                        a, rh, rk, rv = sb[0], sb[1], sb[2], sb[3]
+                    else:
+                        a = alpha[bm, ti]
+                        rh = rr_h[bm, ti]
+                        rk = rr_k[bm, ti]
+                        rv = rr_v[bm, ti]
                     for q in T.unroll(4):
                         ps[q] = T.float32(0)
                     for s in T.unroll(slots):

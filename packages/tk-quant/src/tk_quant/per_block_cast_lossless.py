@@ -106,12 +106,12 @@ def row_seg(bk_out: int, seg: int = SEG) -> int:
 
 
 def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
-          threads: int = THREADS) -> tuple[int, int, int]:
+          threads: int = THREADS, tile_k: int = 0) -> tuple[int, int, int]:
     """(BK, TPR, P): BK columns per tile, TPR threads per row (``row_seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""
     seg = row_seg(bk_out, seg)
-    BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
+    BK = tile_k or (32 * seg if bm_out == 1 else max(bk_out, 128))
     TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // threads)
 
@@ -184,12 +184,18 @@ def per_block_cast_lossless_kernel(
     bufs: int = 0,
     int_lut: bool = True,
     threads: int = THREADS,
+    block_max: str = "shared",
+    tile_k: int = 0,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
     holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``); ``int_lut`` False: every row's
     byte LUT by the float conversions (the sweep's reference point for the integer path); ``threads``: CTA size
-    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line).
+    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line). Two sweep variants
+    prepared in session 36 and not yet measured (no device time was left): ``block_max`` "scales" gives blocks taller
+    than a warp's rows their maxima without shared memory or a barrier per tile (each warp loads all the input
+    scale words of its blocks with the tile and reduces them after converting the tile before); ``tile_k``
+    overrides the tile's columns (32 for 32 x 32 blocks: 2 lanes per row, so a warp's 32 rows hold whole blocks).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
     ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
@@ -206,7 +212,7 @@ def per_block_cast_lossless_kernel(
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
     seg = row_seg(bk_out, seg)
-    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads)
+    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads, tile_k)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
     num_tokens = T.dynamic("num_tokens")
@@ -227,9 +233,49 @@ def per_block_cast_lossless_kernel(
     # columns within bk_in, rows within bm_in) changes nothing and is left out
     offsets = [1 << i for i in range(5) if bk_in // seg <= (1 << i) < bk_out // seg]
     offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and bm_in <= (P << i) < bm_out]
+    # block_max "scales" (blocks taller than a warp's rows): each warp takes its blocks' maxima from all their input
+    # scale words itself, no shared memory and no barrier. Word w of the warp's NBC blocks (W in all, NW per lane):
+    # block column w % NBC, then input-scale column (fastest) and row of that block.
+    by_scales = block_max == "scales" and WPB > 1
+    RB = bm_out // bm_in
+    KB = bk_out // bk_in
+    W = NBC * RB * KB
+    NW = ceil_div(W, 32)
 
     @T.macro
-    def load(x, sf_in, s0, s1, xb, sw, lr, lc, tile, tx):
+    def load_block_words(sf_in, s0, s1, bw, tile, tx):
+        """Raw input scale words of the blocks of ``tile`` that this lane's warp covers (0 outside the tensor)."""
+        lane = tx % 32
+        b0 = T.truncdiv(T.truncdiv(tile, NXT) * BM + (tx // TPR) * P, bm_out) * (bm_out // bm_in)  # input-block row
+        k0 = T.truncmod(tile, NXT) * (BK // bk_in)  # first input-block column of the tile
+        for i in T.unroll(NW):
+            w = lane + 32 * i
+            m_in = b0 + T.truncdiv(T.truncdiv(w, NBC), KB)
+            k_in = k0 + T.truncmod(w, NBC) * KB + T.truncmod(T.truncdiv(w, NBC), KB)
+            if w < W and m_in * bm_in < num_tokens and k_in * bk_in < hidden:
+                if in_kind == "packed":
+                    bw[i] = T.cast(sf_in[4 * (m_in * s0 + (k_in // 4) * s1) + k_in % 4], "int32")
+                else:
+                    bw[i] = sf_in[m_in * s0 + k_in * s1]
+            else:
+                bw[i] = 0
+
+    @T.macro
+    def reduce_block_words(bw, bm_, tx):
+        """``bm_[0]``: the maximum exponent of the block of this lane's columns, from the words of ``bw``."""
+        bm_[0] = 0
+        for i in T.unroll(NW):
+            if in_kind == "packed":
+                bm_[0] = T.max(bm_[0], bw[i])
+            else:
+                bm_[0] = T.max(bm_[0], T.bitwise_and(T.shift_right(bw[i], 23), 0xFF))
+        for off in [NBC << j for j in range(5) if (NBC << j) < 32]:
+            bm_[0] = T.max(bm_[0], T.shfl_xor(bm_[0], off))
+        if NBC > 1:
+            bm_[0] = T.shfl_sync(bm_[0], (tx % TPR) * seg // bk_out)
+
+    @T.macro
+    def load(x, sf_in, s0, s1, xb, sw, lr, lc, bw, bm_, tile, tx):
         """Data and raw input scale words of ``tile`` (zeros outside the tensor: exponent 0, admissible)."""
         # int32 row and column (in seg-value units: the vector accesses stay provably aligned); as expressions
         # they are widened to int64 (64-bit div/mod by NXT)
@@ -248,9 +294,11 @@ def per_block_cast_lossless_kernel(
                     sw[p] = sf_in[(row // bm_in) * s0 + (lc[0] // (bk_in // seg)) * s1]
             else:
                 sw[p] = 0
+        if by_scales:
+            load_block_words(sf_in, s0, s1, bw, tile, tx)
 
     @T.macro
-    def convert(out, sf, nerr, part, xin, sw, lr, lc, par, tx, nm):
+    def convert(out, sf, nerr, part, xin, sw, lr, lc, bw, bm_, par, tx, nm):
         """Block maxima, output scales and e4m3 bytes of the tile held in ``xin``/``sw``."""
         ex = T.alloc_local((P,), "int32")
         bad = T.alloc_local((P,), "int32")
@@ -266,13 +314,16 @@ def per_block_cast_lossless_kernel(
             else:
                 ex[p] = T.bitwise_and(T.shift_right(sw[p], 23), 0xFF)
                 bad[p] = T.if_then_else(T.bitwise_and(sw[p], T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
-        for g in T.unroll(G):
-            em[g] = ex[g * (P // G)]
-            for q in range(1, P // G):
-                em[g] = T.max(em[g], ex[g * (P // G) + q])
-            for off in offsets:
-                em[g] = T.max(em[g], T.shfl_xor(em[g], off))
-        if WPB > 1:
+        if by_scales:
+            em[0] = bm_[0]
+        else:
+            for g in T.unroll(G):
+                em[g] = ex[g * (P // G)]
+                for q in range(1, P // G):
+                    em[g] = T.max(em[g], ex[g * (P // G) + q])
+                for off in offsets:
+                    em[g] = T.max(em[g], T.shfl_xor(em[g], off))
+        if WPB > 1 and not by_scales:
             # one partial per warp and block column; consecutive tiles use different buffers, so a fast warp writing
             # the next tile's partials never overwrites ones a slow warp still reads
             w = tx // 32
@@ -316,12 +367,16 @@ def per_block_cast_lossless_kernel(
                         sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
 
     @T.macro
-    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm, par):
-        """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one."""
+    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, xn, swn, rn, cn, bwn, bmn, it, niter, nctas,
+             bid, tx, nm, par):
+        """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one
+        (``by_scales``: then take the block maxima of the tile just loaded, whose words have arrived meanwhile)."""
         if it < niter:
             if it + bufs - 1 < niter:
-                load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + bufs - 1) * nctas, tx)
-            convert(out, sf, nerr, part, xc, swc, rc, cc, par, tx, nm)
+                load(x, sf_in, s0, s1, xn, swn, rn, cn, bwn, bmn, bid + (it + bufs - 1) * nctas, tx)
+            convert(out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, par, tx, nm)
+            if by_scales and it + bufs - 1 < niter:
+                reduce_block_words(bwn, bmn, tx)
 
     @T.prim_func
     def main(
@@ -338,9 +393,11 @@ def per_block_cast_lossless_kernel(
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            # tile buffers: data, raw input scale words, first row, column
+            # tile buffers: data, raw input scale words, first row, column (by_scales: the blocks' scale words and
+            # the lane's block maximum)
             buf = [(T.alloc_local((P, seg // 8), "int32"), T.alloc_local((P,), "int32"), T.alloc_local((1,), "int32"),
-                    T.alloc_local((1,), "int32")) for _ in range(bufs)]
+                    T.alloc_local((1,), "int32"), T.alloc_local((NW,), "int32"), T.alloc_local((1,), "int32"))
+                   for _ in range(bufs)]
             part = T.alloc_shared((bufs * NBR * NBC * WPB,), "int32")
             nerr = T.alloc_local((1,), "int32")
             warp_err = T.alloc_shared((threads // 32,), "int32")
@@ -349,9 +406,13 @@ def per_block_cast_lossless_kernel(
             niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
 
             load(x, sf_in, s0, s1, *buf[0], bid, tx)
+            if by_scales:
+                reduce_block_words(buf[0][4], buf[0][5], tx)
             for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
                 if b < niter:
                     load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
+                    if by_scales:
+                        reduce_block_words(buf[b][4], buf[b][5], tx)
             for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
                 # bufs tiles per step, one per buffer (no copies between them)
                 for b in tuple(range(bufs)):
