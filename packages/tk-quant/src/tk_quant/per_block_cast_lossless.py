@@ -241,24 +241,32 @@ def per_block_cast_lossless_kernel(
     KB = bk_out // bk_in
     W = NBC * RB * KB
     NW = ceil_div(W, 32)
+    RW = 32 // (NBC * KB)  # rows of input scales between a lane's words
 
     @T.macro
-    def load_block_words(sf_in, s0, s1, bw, tile, tx):
-        """Raw input scale words of the blocks of ``tile`` that this lane's warp covers (0 outside the tensor)."""
+    def load_block_words(sf_in, s0, s1, bw, lr, lc, mk, tx):
+        """Raw input scale words of the blocks of the tile at ``lr``/``lc`` that this lane's warp covers (0 outside
+        the tensor). NBC * KB divides 32, so a lane's words share one input-scale column and step through the rows
+        by RW = 32 / (NBC * KB). ``mk``: the lane's first row, its column, the offset of its next word and the step
+        between its words, int32 (as expressions the offsets are widened to int64 word by word)."""
         lane = tx % 32
-        b0 = T.truncdiv(T.truncdiv(tile, NXT) * BM + (tx // TPR) * P, bm_out) * (bm_out // bm_in)  # input-block row
-        k0 = T.truncmod(tile, NXT) * (BK // bk_in)  # first input-block column of the tile
+        mk[0] = T.truncdiv(lr[0], bm_out) * (bm_out // bm_in) + T.truncdiv(lane, NBC * KB)
+        mk[1] = T.truncdiv(lc[0], TPR) * (BK // bk_in) + T.truncmod(lane, NBC) * KB + T.truncmod(T.truncdiv(lane, NBC), KB)
+        if in_kind == "packed":
+            mk[2] = 4 * (mk[0] * s0 + T.truncdiv(mk[1], 4) * s1) + T.truncmod(mk[1], 4)
+            mk[3] = 4 * RW * s0
+        else:
+            mk[2] = mk[0] * s0 + mk[1] * s1
+            mk[3] = RW * s0
         for i in T.unroll(NW):
-            w = lane + 32 * i
-            m_in = b0 + T.truncdiv(T.truncdiv(w, NBC), KB)
-            k_in = k0 + T.truncmod(w, NBC) * KB + T.truncmod(T.truncdiv(w, NBC), KB)
-            if w < W and m_in * bm_in < num_tokens and k_in * bk_in < hidden:
+            if lane + 32 * i < W and (mk[0] + i * RW) * bm_in < num_tokens and mk[1] * bk_in < hidden:
                 if in_kind == "packed":
-                    bw[i] = T.cast(sf_in[4 * (m_in * s0 + (k_in // 4) * s1) + k_in % 4], "int32")
+                    bw[i] = T.cast(sf_in[mk[2]], "int32")
                 else:
-                    bw[i] = sf_in[m_in * s0 + k_in * s1]
+                    bw[i] = sf_in[mk[2]]
             else:
                 bw[i] = 0
+            mk[2] = mk[2] + mk[3]
 
     @T.macro
     def reduce_block_words(bw, bm_, tx):
@@ -275,7 +283,7 @@ def per_block_cast_lossless_kernel(
             bm_[0] = T.shfl_sync(bm_[0], (tx % TPR) * seg // bk_out)
 
     @T.macro
-    def load(x, sf_in, s0, s1, xb, sw, lr, lc, bw, bm_, tile, tx):
+    def load(x, sf_in, s0, s1, xb, sw, lr, lc, bw, bm_, tile, tx, mk):
         """Data and raw input scale words of ``tile`` (zeros outside the tensor: exponent 0, admissible)."""
         # int32 row and column (in seg-value units: the vector accesses stay provably aligned); as expressions
         # they are widened to int64 (64-bit div/mod by NXT)
@@ -295,7 +303,7 @@ def per_block_cast_lossless_kernel(
             else:
                 sw[p] = 0
         if by_scales:
-            load_block_words(sf_in, s0, s1, bw, tile, tx)
+            load_block_words(sf_in, s0, s1, bw, lr, lc, mk, tx)
 
     @T.macro
     def convert(out, sf, nerr, part, xin, sw, lr, lc, bw, bm_, par, tx, nm):
@@ -368,12 +376,12 @@ def per_block_cast_lossless_kernel(
 
     @T.macro
     def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, xn, swn, rn, cn, bwn, bmn, it, niter, nctas,
-             bid, tx, nm, par):
+             bid, tx, nm, par, mk):
         """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one
         (``by_scales``: then take the block maxima of the tile just loaded, whose words have arrived meanwhile)."""
         if it < niter:
             if it + bufs - 1 < niter:
-                load(x, sf_in, s0, s1, xn, swn, rn, cn, bwn, bmn, bid + (it + bufs - 1) * nctas, tx)
+                load(x, sf_in, s0, s1, xn, swn, rn, cn, bwn, bmn, bid + (it + bufs - 1) * nctas, tx, mk)
             convert(out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, par, tx, nm)
             if by_scales and it + bufs - 1 < niter:
                 reduce_block_words(bwn, bmn, tx)
@@ -405,19 +413,20 @@ def per_block_cast_lossless_kernel(
             nm = T.ceildiv(num_tokens, bm_out)
             niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
 
-            load(x, sf_in, s0, s1, *buf[0], bid, tx)
+            mk = T.alloc_local((4,), "int32") if by_scales else None
+            load(x, sf_in, s0, s1, *buf[0], bid, tx, mk)
             if by_scales:
                 reduce_block_words(buf[0][4], buf[0][5], tx)
             for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
                 if b < niter:
-                    load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
+                    load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx, mk)
                     if by_scales:
                         reduce_block_words(buf[b][4], buf[b][5], tx)
             for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
                 # bufs tiles per step, one per buffer (no copies between them)
                 for b in tuple(range(bufs)):
                     step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs], itb * bufs + b, niter,
-                         num_ctas, bid, tx, nm, b)
+                         num_ctas, bid, tx, nm, b, mk)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
             _tl.store_cta_count(err, bid, nerr, warp_err, tx, threads // 32, zero_counts)
 
