@@ -69,15 +69,15 @@ VARIANTS = {
     "w3": dict(grid=3),
     # blocks taller than a warp's rows without the shared-memory exchange and its barrier per tile: each warp takes
     # its blocks' maxima from all their input scale words (``block_max="scales"``; 32 x 32 4 words per lane, 128 x
-    # 128 16), at the default CTAs per SM (sm_90a: 32 x 32 spills 28 bytes, 128 x 128 8), at 4 and at 2
+    # 128 16), at the default CTAs per SM (sm_90a: 48 / 80 registers), 32 x 32 at 4 and 128 x 128 at 2 (62 / 96)
     "sc": dict(block_max="scales"),
-    "sc4": dict(block_max="scales", min_blocks=4),
-    "sc2": dict(block_max="scales", min_blocks=2),
+    "sc4": dict(block_max="scales", min_blocks={(32, 32): 4}),
+    "sc2": dict(block_max="scales", min_blocks={(128, 128): 2}),
     # 32 x 32 blocks in 32-column tiles: a warp's 32 rows x 32 columns hold whole blocks (2 lanes per row), so the
     # block maximum is the warp's own (no shared memory, no extra loads); each load instruction reads 16 bytes of 16
     # rows (43 registers at 5 CTAs per SM, 39 at 6)
     "tk32": dict(tile_k=32),
-    "tk32mb6": dict(tile_k=32, min_blocks=6),
+    "tk32mb6": dict(tile_k=32, min_blocks={(32, 32): 6}),
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -101,8 +101,10 @@ def params(h, ob, packed, in_packed, over):
     in_kind = "packed" if in_packed else "fp32"
     threads = over.get("threads") or THREADS
     tile_k = over.get("tile_k", 0) if ob[0] > 1 and ob[1] <= over.get("tile_k", 0) else 0
-    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg, threads, tile_k)[2], ob[0], ob[1], in_kind,
-                                                      seg)
+    mb = over.get("min_blocks")
+    if isinstance(mb, dict):  # per output block: {(bm_out, bk_out): CTAs per SM}
+        mb = mb.get(tuple(ob))
+    mb = mb or default_min_blocks(_tile(*ob, passes, seg, threads, tile_k)[2], ob[0], ob[1], in_kind, seg)
     return dict(hidden=h, bm_in=1, bk_in=32, in_kind=in_kind, bm_out=ob[0], bk_out=ob[1],
                 layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg, bufs=over.get("bufs", 0),
                 int_lut=over.get("int_lut", True), threads=threads, block_max=over.get("block_max", "shared"),
