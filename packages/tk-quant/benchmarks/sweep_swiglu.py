@@ -50,7 +50,8 @@ VARIANTS = {
             "early": dict(load_order="early"),  # with pos_to_expert, every kernel loads before that test
             "early_if_pe": dict(load_order="early_if_pe"),
             # fewer CTAs per SM for a higher register cap: the count kernel spills 12 bytes at 10 (48 registers) and
-            # none at 9 (56) or 8 (64), sm_90a and sm_100a (prepared in session 36, not measured yet)
+            # none at 9 (56) or 8 (64), sm_90a and sm_100a. Session 8 (then 20 bytes of spill at 10): both slower;
+            # re-measured on today's kernel (prepared in session 36, not measured yet)
             "mb9": dict(min_blocks=9),
             "mb8": dict(min_blocks=8),
         },
