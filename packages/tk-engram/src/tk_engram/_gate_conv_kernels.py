@@ -171,18 +171,26 @@ def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
 FWD_SMEM_BUDGET = 74 * 1024
 
 
-def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> tuple[int, bool]:
+def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET,
+                  wbf16: bool = False) -> tuple[int, bool]:
     """(weight rows kept as float32 in shared memory, whether the n ring is float32) of the forward within
     ``budget`` bytes of shared memory, greedily by instructions saved per byte: w_h**2 (about 1.9 per element
     for 4 bytes), the float32 ring (about 0.9 per tap and element for 2 more bytes per tap), then w_v and the
     conv taps (about 1 each for 4 bytes). Rows are taken in the order w_h**2, w_v, conv tap taps-1, taps-2, ...
     The default budget keeps two CTAs per SM and leaves L1 room for the weights read from global memory
-    (d=4096: w_h**2 and the float32 ring, 65 KB per CTA; d=7168: w_h**2, 71 KB)."""
+    (d=4096: w_h**2 and the float32 ring, 65 KB per CTA; d=7168: w_h**2, 71 KB). ``wbf16`` (a sweep variant,
+    session 36, not measured yet): the weight rows in their bf16/fp16 storage instead (w_h, w_v, the taps: half the
+    bytes each, widened where used), then the float32 ring if room is left (d=4096: all six rows, 73 KB; d=7168:
+    w_h and w_v, 71 KB, so that w_v leaves the global loads at the same budget)."""
     slots, threads = fwd_layout(d, vecs)
     dp = slots * threads * VEC
     R = max(taps - 1, 1)
     used = R * dp * 2 + 1024
     fw, ring32 = 0, False
+    if wbf16:
+        while fw < 2 + taps and used + dp * 2 <= budget:
+            fw, used = fw + 1, used + dp * 2
+        return fw, used + R * dp * 2 <= budget
     if used + dp * 4 <= budget:
         fw, used = 1, used + dp * 4
     if used + R * dp * 2 <= budget:
@@ -192,13 +200,14 @@ def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGE
     return fw, ring32
 
 
-def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> int:
+def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET, wbf16: bool = False) -> int:
     """Shared memory of the forward: the n ring (taps-1 rows, bf16 or float32 by ``fwd_smem_plan``), the float32
-    weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch (1 KB)."""
+    (``wbf16``: 16-bit) weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch
+    (1 KB)."""
     slots, threads = fwd_layout(d, vecs)
     DP = slots * threads * VEC
-    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
-    return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * 4 + 1024
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget, wbf16)
+    return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * (2 if wbf16 else 4) + 1024
 
 
 def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> bool:
@@ -209,7 +218,7 @@ def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) ->
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
-                         min_blocks: int = 2, budget: int = FWD_SMEM_BUDGET, planes: bool = True):
+                         min_blocks: int = 2, budget: int = FWD_SMEM_BUDGET, planes: bool = True, wbf16: int = 0):
     """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
     d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
     overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle
@@ -229,7 +238,8 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     The ``taps - 1`` halo tokens a CTA walks before its chunk (they belong to the previous chunk) only feed the n
     ring: they compute the row sums, the gate and n, but skip the convolution, SiLU and every store (about 55 % of
     a token's work, on 3 of 35 tokens at chunk 32 and 4 taps). ``planes``: the float32 rows of shared memory (the
-    weights, the float32 n ring) in two planes (``f32_rows``: no bank conflicts)."""
+    weights, the float32 n ring) in two planes (``f32_rows``: no bank conflicts). ``wbf16``: ``fwd_smem_plan``'s
+    16-bit weight rows (a sweep variant; the same bits)."""
     slots, threads = fwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -238,7 +248,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     HS = max(hist, 1)
     DP = slots * threads * VEC
     EV = slots * VEC
-    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget, bool(wbf16))
     rdt = "float32" if ring32 else dtype
     col, load32, store32 = f32_rows(DP, planes)
     # cross-warp sum: lane groups of G lanes (a power of two >= nwarps), QP of the 4 quantities per group
@@ -291,7 +301,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             warp = tx // 32
             ring = T.alloc_shared((RS, DP), rdt)
             red = T.alloc_shared((2, 4, 32), f32)
-            wsm = T.alloc_shared((max(NF, 1), DP), f32)
+            wsm = T.alloc_shared((max(NF, 1), DP), dtype if wbf16 else f32)
             tot = T.alloc_local((4,), f32)
             part = T.alloc_local((4,), f32)
             sc4 = T.alloc_local((4,), f32)
@@ -316,7 +326,19 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                 c0 = (s * threads + tx) * VEC
                 if c0 < d:
                     for p in T.unroll(NF, explicit=True):
-                        if p == 0:
+                        if wbf16:  # w_h, w_v, tap taps-1, taps-2, ... as stored
+                            if p == 0:
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_h[c0 + e]
+                            elif p == 1:
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_v[c0 + e]
+                            else:
+                                for e in T.vectorized(VEC):
+                                    wl[e] = conv_w[taps + 1 - p, c0 + e]
+                            for e in T.vectorized(VEC):
+                                wsm[p, c0 + e] = wl[e]
+                        elif p == 0:
                             for e in T.vectorized(VEC):
                                 wl[e] = w_h[c0 + e]
                             for e in T.unroll(VEC):
@@ -382,11 +404,15 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            if NF > 0:
+                            if NF > 0 and not wbf16:
                                 load32(wf, wsm, 0, c0)
                             else:
-                                for e in T.vectorized(VEC):
-                                    wl[e] = w_h[c0 + e]
+                                if NF > 0:
+                                    for e in T.vectorized(VEC):
+                                        wl[e] = wsm[0, c0 + e]
+                                else:
+                                    for e in T.vectorized(VEC):
+                                        wl[e] = w_h[c0 + e]
                                 for e in T.unroll(VEC):
                                     wf[e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
                             for k in T.unroll(VEC // 2):
@@ -432,11 +458,15 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            if NF > 1:
+                            if NF > 1 and not wbf16:
                                 load32(wf, wsm, 1, c0)
                             else:
-                                for e in T.vectorized(VEC):
-                                    wl[e] = w_v[c0 + e]
+                                if NF > 1:
+                                    for e in T.vectorized(VEC):
+                                        wl[e] = wsm[1, c0 + e]
+                                else:
+                                    for e in T.vectorized(VEC):
+                                        wl[e] = w_v[c0 + e]
                                 for k in T.unroll(VEC // 2):
                                     wf[2 * k] = lo(wl, 2 * k)
                                     wf[2 * k + 1] = hi(wl, 2 * k)
@@ -450,11 +480,15 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             if it >= R:  # halo tokens only feed the ring: no u, no Y
                                 for q in T.unroll(taps, explicit=True):
                                     # tap taps-1-q times n of q chain steps back (q = 0: this token)
-                                    if NF > 2 + q:
+                                    if NF > 2 + q and not wbf16:
                                         load32(wf, wsm, 2 + q, c0)
                                     else:
-                                        for e in T.vectorized(VEC):
-                                            wl[e] = conv_w[taps - 1 - q, c0 + e]
+                                        if NF > 2 + q:
+                                            for e in T.vectorized(VEC):
+                                                wl[e] = wsm[2 + q, c0 + e]
+                                        else:
+                                            for e in T.vectorized(VEC):
+                                                wl[e] = conv_w[taps - 1 - q, c0 + e]
                                         for k in T.unroll(VEC // 2):
                                             wf[2 * k] = lo(wl, 2 * k)
                                             wf[2 * k + 1] = hi(wl, 2 * k)
