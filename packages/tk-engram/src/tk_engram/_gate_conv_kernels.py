@@ -277,6 +277,24 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     def silu(u):
         return T.call_extern(f32, "tk_silu_approx", u)
 
+    @T.macro
+    def weight_vec(wl, wsm, w_h, w_v, conv_w, p: int, c0, shared: bool):
+        """``wl`` = the 16-bit vector at column ``c0`` of the plan's weight row ``p`` (w_h, w_v, tap taps-1,
+        taps-2, ...): from the plan's 16-bit rows in shared memory if ``shared`` (``wbf16``), else from global
+        memory."""
+        if shared:
+            for e in T.vectorized(VEC):
+                wl[e] = wsm[p, c0 + e]
+        elif p == 0:
+            for e in T.vectorized(VEC):
+                wl[e] = w_h[c0 + e]
+        elif p == 1:
+            for e in T.vectorized(VEC):
+                wl[e] = w_v[c0 + e]
+        else:
+            for e in T.vectorized(VEC):
+                wl[e] = conv_w[taps + 1 - p, c0 + e]
+
     @T.prim_func
     def main(
         H: T.Tensor((M, L, d), dtype),
@@ -321,36 +339,19 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             vo = T.alloc_local((VEC,), dtype)
             no = T.alloc_local((VEC,), dtype)
             base = br + dilation * chunk * bc
-            # the float32 weight rows (w_h**2, w_v, tap taps-1, taps-2, ...), once per CTA
+            # the weight rows of the plan (w_h**2 or w_h, w_v, tap taps-1, taps-2, ...), once per CTA
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
                 if c0 < d:
                     for p in T.unroll(NF, explicit=True):
-                        if wbf16:  # w_h, w_v, tap taps-1, taps-2, ... as stored
-                            if p == 0:
-                                for e in T.vectorized(VEC):
-                                    wl[e] = w_h[c0 + e]
-                            elif p == 1:
-                                for e in T.vectorized(VEC):
-                                    wl[e] = w_v[c0 + e]
-                            else:
-                                for e in T.vectorized(VEC):
-                                    wl[e] = conv_w[taps + 1 - p, c0 + e]
+                        weight_vec(wl, wsm, w_h, w_v, conv_w, p, c0, False)
+                        if wbf16:  # as stored
                             for e in T.vectorized(VEC):
                                 wsm[p, c0 + e] = wl[e]
                         elif p == 0:
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_h[c0 + e]
                             for e in T.unroll(VEC):
                                 wsm[p, col(c0, e)] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
-                        elif p == 1:
-                            for e in T.vectorized(VEC):
-                                wl[e] = w_v[c0 + e]
-                            for e in T.unroll(VEC):
-                                wsm[p, col(c0, e)] = T.cast(wl[e], f32)
                         else:
-                            for e in T.vectorized(VEC):
-                                wl[e] = conv_w[taps + 1 - p, c0 + e]
                             for e in T.unroll(VEC):
                                 wsm[p, col(c0, e)] = T.cast(wl[e], f32)
             # the first token of the walk
@@ -407,12 +408,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             if NF > 0 and not wbf16:
                                 load32(wf, wsm, 0, c0)
                             else:
-                                if NF > 0:
-                                    for e in T.vectorized(VEC):
-                                        wl[e] = wsm[0, c0 + e]
-                                else:
-                                    for e in T.vectorized(VEC):
-                                        wl[e] = w_h[c0 + e]
+                                weight_vec(wl, wsm, w_h, w_v, conv_w, 0, c0, NF > 0)
                                 for e in T.unroll(VEC):
                                     wf[e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
                             for k in T.unroll(VEC // 2):
@@ -461,12 +457,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             if NF > 1 and not wbf16:
                                 load32(wf, wsm, 1, c0)
                             else:
-                                if NF > 1:
-                                    for e in T.vectorized(VEC):
-                                        wl[e] = wsm[1, c0 + e]
-                                else:
-                                    for e in T.vectorized(VEC):
-                                        wl[e] = w_v[c0 + e]
+                                weight_vec(wl, wsm, w_h, w_v, conv_w, 1, c0, NF > 1)
                                 for k in T.unroll(VEC // 2):
                                     wf[2 * k] = lo(wl, 2 * k)
                                     wf[2 * k + 1] = hi(wl, 2 * k)
@@ -483,12 +474,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                     if NF > 2 + q and not wbf16:
                                         load32(wf, wsm, 2 + q, c0)
                                     else:
-                                        if NF > 2 + q:
-                                            for e in T.vectorized(VEC):
-                                                wl[e] = wsm[2 + q, c0 + e]
-                                        else:
-                                            for e in T.vectorized(VEC):
-                                                wl[e] = conv_w[taps - 1 - q, c0 + e]
+                                        weight_vec(wl, wsm, w_h, w_v, conv_w, 2 + q, c0, NF > 2 + q)
                                         for k in T.unroll(VEC // 2):
                                             wf[2 * k] = lo(wl, 2 * k)
                                             wf[2 * k + 1] = hi(wl, 2 * k)

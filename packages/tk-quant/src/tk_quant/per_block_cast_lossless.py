@@ -243,6 +243,10 @@ def per_block_cast_lossless_kernel(
     NW = ceil_div(W, 32)
     RW = 32 // (NBC * KB)  # rows of input scales between a lane's words
 
+    def exponent(word):
+        """The biased exponent (0..255) of a raw input scale word (fp32 bits, or the UE8M0 byte of the packed layout)."""
+        return word if in_kind == "packed" else T.bitwise_and(T.shift_right(word, 23), 0xFF)
+
     @T.macro
     def load_block_words(sf_in, s0, s1, bw, lr, lc, mk, tx):
         """Raw input scale words of the blocks of the tile at ``lr``/``lc`` that this lane's warp covers (0 outside
@@ -273,10 +277,7 @@ def per_block_cast_lossless_kernel(
         """``bm_[0]``: the maximum exponent of the block of this lane's columns, from the words of ``bw``."""
         bm_[0] = 0
         for i in T.unroll(NW):
-            if in_kind == "packed":
-                bm_[0] = T.max(bm_[0], bw[i])
-            else:
-                bm_[0] = T.max(bm_[0], T.bitwise_and(T.shift_right(bw[i], 23), 0xFF))
+            bm_[0] = T.max(bm_[0], exponent(bw[i]))
         for off in [NBC << j for j in range(5) if (NBC << j) < 32]:
             bm_[0] = T.max(bm_[0], T.shfl_xor(bm_[0], off))
         if NBC > 1:
@@ -316,11 +317,10 @@ def per_block_cast_lossless_kernel(
         scl = T.alloc_local((1,), "float32")
         cb = (tx % TPR) * seg // bk_out  # output block column inside the tile
         for p in T.unroll(P):
+            ex[p] = exponent(sw[p])
             if in_kind == "packed":
-                ex[p] = sw[p]
                 bad[p] = T.if_then_else(ex[p] == 255, 1, 0)
             else:
-                ex[p] = T.bitwise_and(T.shift_right(sw[p], 23), 0xFF)
                 bad[p] = T.if_then_else(T.bitwise_and(sw[p], T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
         if by_scales:
             em[0] = bm_[0]
