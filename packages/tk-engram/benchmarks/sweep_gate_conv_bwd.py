@@ -52,8 +52,6 @@ VARIANTS = {
     "approx": default_with(approx_sigmoid=True),
     # session 35: the weights loaded where each stage uses them (the default before it, and on sm_100a)
     "stage_w": default_with(resident_w=False),
-    # stage B's four statistics loaded with its rows at the top of the iteration (they flew across stage A)
-    "stats_b": default_with(stats_b=True),
     # the op default with TileLang's shared-memory sync planner on (as before session 23; ``PLANNER_KERNEL``): at
     # d > 4096 it added two barriers per token around the row sums' exchange
     "planner": gate_conv.bwd_config,

@@ -67,17 +67,6 @@ VARIANTS = {
     # w2 -1.7 / -5.5 / -3.7 / +0.5 %, w3 -1.6 / -5.5 / -2.8 / +1.1 %
     "w2": dict(grid=2),
     "w3": dict(grid=3),
-    # blocks taller than a warp's rows without the shared-memory exchange and its barrier per tile: each warp takes
-    # its blocks' maxima from all their input scale words (``block_max="scales"``; 32 x 32 4 words per lane, 128 x
-    # 128 16), at the default CTAs per SM (sm_90a: 48 / 80 registers), 32 x 32 at 4 and 128 x 128 at 2 (62 / 96)
-    "sc": dict(block_max="scales"),
-    "sc4": dict(block_max="scales", min_blocks={(32, 32): 4}),
-    "sc2": dict(block_max="scales", min_blocks={(128, 128): 2}),
-    # 32 x 32 blocks in 32-column tiles: a warp's 32 rows x 32 columns hold whole blocks (2 lanes per row), so the
-    # block maximum is the warp's own (no shared memory, no extra loads); each load instruction reads 16 bytes of 16
-    # rows (43 registers at 5 CTAs per SM, 39 at 6)
-    "tk32": dict(tile_k=32),
-    "tk32mb6": dict(tile_k=32, min_blocks={(32, 32): 6}),
 }
 T, H = 8001, 7168
 # (out block, packed SF output, anchor GB/s)
@@ -100,15 +89,10 @@ def params(h, ob, packed, in_packed, over):
     seg = over.get("seg") or SEG
     in_kind = "packed" if in_packed else "fp32"
     threads = over.get("threads") or THREADS
-    tile_k = over.get("tile_k", 0) if ob[0] > 1 and ob[1] <= over.get("tile_k", 0) else 0
-    mb = over.get("min_blocks")
-    if isinstance(mb, dict):  # per output block: {(bm_out, bk_out): CTAs per SM}
-        mb = mb.get(tuple(ob))
-    mb = mb or default_min_blocks(_tile(*ob, passes, seg, threads, tile_k)[2], ob[0], ob[1], in_kind, seg)
+    mb = over.get("min_blocks") or default_min_blocks(_tile(*ob, passes, seg, threads)[2], ob[0], ob[1], in_kind, seg)
     return dict(hidden=h, bm_in=1, bk_in=32, in_kind=in_kind, bm_out=ob[0], bk_out=ob[1],
                 layout="packed" if packed else "row", passes=passes, min_blocks=mb, seg=seg, bufs=over.get("bufs", 0),
-                int_lut=over.get("int_lut", True), threads=threads, block_max=over.get("block_max", "shared"),
-                tile_k=tile_k)
+                int_lut=over.get("int_lut", True), threads=threads)
 
 
 def fp4_input(t, h, in_sf=(False, False), bad=False):
@@ -131,7 +115,7 @@ def case(k, p, xq, grid=None):
     flat, sf = alloc_sf_storage(ceil_div(t, ob[0]), ceil_div(h, ob[1]), p["layout"], "cuda")
     flat.fill_(0x7F if packed else float("nan"))
     # one error slot per CTA, as the op launches: SMs x min_blocks, or one per tile when there are fewer
-    bk, tpr, rows = _tile(*ob, p["passes"], p["seg"], p["threads"], p["tile_k"])
+    bk, tpr, rows = _tile(*ob, p["passes"], p["seg"], p["threads"])
     ntiles = ceil_div(h, bk) * ceil_div(t, p["threads"] // tpr * rows)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ctas = ntiles if grid == "tiles" else min(ntiles, (grid or 1) * sms * p["min_blocks"])

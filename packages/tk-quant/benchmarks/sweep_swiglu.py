@@ -49,9 +49,10 @@ VARIANTS = {
             "row": dict(load_order="row"),  # with pos_to_expert too, the loads after the row's pos_to_expert test
             "early": dict(load_order="early"),  # with pos_to_expert, every kernel loads before that test
             "early_if_pe": dict(load_order="early_if_pe"),
-            # fewer CTAs per SM for a higher register cap: the count kernel spills 12 bytes at 10 (48 registers) and
-            # none at 9 (56) or 8 (64), sm_90a and sm_100a. Session 8 (then 20 bytes of spill at 10): both slower;
-            # re-measured on today's kernel (prepared in session 36, not measured yet)
+            # CTAs per SM (the default: 10, the count kernel 9; ``fwd_token_min_blocks``). The count kernel spills
+            # 12 bytes at 10 (48 registers) and none at 9 (56) or 8 (64). Session 37 (H100, sweep_swiglu_s37.log):
+            # with counts 9 +1.6 / +0.7 % over 10 (pe T / F), 8 -0.5 / -0.9 %; without counts all three equal
+            "mb10": dict(min_blocks=10),
             "mb9": dict(min_blocks=9),
             "mb8": dict(min_blocks=8),
         },

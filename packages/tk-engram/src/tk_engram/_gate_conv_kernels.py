@@ -171,26 +171,18 @@ def fwd_layout(d: int, vecs: int) -> tuple[int, int]:
 FWD_SMEM_BUDGET = 74 * 1024
 
 
-def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET,
-                  wbf16: bool = False) -> tuple[int, bool]:
+def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> tuple[int, bool]:
     """(weight rows kept as float32 in shared memory, whether the n ring is float32) of the forward within
     ``budget`` bytes of shared memory, greedily by instructions saved per byte: w_h**2 (about 1.9 per element
     for 4 bytes), the float32 ring (about 0.9 per tap and element for 2 more bytes per tap), then w_v and the
     conv taps (about 1 each for 4 bytes). Rows are taken in the order w_h**2, w_v, conv tap taps-1, taps-2, ...
     The default budget keeps two CTAs per SM and leaves L1 room for the weights read from global memory
-    (d=4096: w_h**2 and the float32 ring, 65 KB per CTA; d=7168: w_h**2, 71 KB). ``wbf16`` (a sweep variant,
-    session 36, not measured yet): the weight rows in their bf16/fp16 storage instead (w_h, w_v, the taps: half the
-    bytes each, widened where used), then the float32 ring if room is left (d=4096: all six rows, 73 KB; d=7168:
-    w_h and w_v, 71 KB, so that w_v leaves the global loads at the same budget)."""
+    (d=4096: w_h**2 and the float32 ring, 65 KB per CTA; d=7168: w_h**2, 71 KB)."""
     slots, threads = fwd_layout(d, vecs)
     dp = slots * threads * VEC
     R = max(taps - 1, 1)
     used = R * dp * 2 + 1024
     fw, ring32 = 0, False
-    if wbf16:
-        while fw < 2 + taps and used + dp * 2 <= budget:
-            fw, used = fw + 1, used + dp * 2
-        return fw, used + R * dp * 2 <= budget
     if used + dp * 4 <= budget:
         fw, used = 1, used + dp * 4
     if used + R * dp * 2 <= budget:
@@ -200,14 +192,13 @@ def fwd_smem_plan(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGE
     return fw, ring32
 
 
-def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET, wbf16: bool = False) -> int:
+def fwd_shared_bytes(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> int:
     """Shared memory of the forward: the n ring (taps-1 rows, bf16 or float32 by ``fwd_smem_plan``), the float32
-    (``wbf16``: 16-bit) weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch
-    (1 KB)."""
+    weight rows of the plan (none: the unused buffer is dropped) and the reduction scratch (1 KB)."""
     slots, threads = fwd_layout(d, vecs)
     DP = slots * threads * VEC
-    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget, wbf16)
-    return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * (2 if wbf16 else 4) + 1024
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
+    return max(taps - 1, 1) * DP * (4 if ring32 else 2) + NF * DP * 4 + 1024
 
 
 def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) -> bool:
@@ -218,7 +209,7 @@ def fwd_fits(d: int, taps: int, vecs: int = 2, budget: int = FWD_SMEM_BUDGET) ->
 
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True})
 def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, vecs: int = 2,
-                         min_blocks: int = 2, budget: int = FWD_SMEM_BUDGET, planes: bool = True, wbf16: int = 0):
+                         min_blocks: int = 2, budget: int = FWD_SMEM_BUDGET, planes: bool = True):
     """Forward walk. Each thread owns ``slots`` column vectors (2 by default: 256 threads at d=4096, 448 at
     d=7168) and several CTAs share an SM, so the fixed per-token cost is amortised and other CTAs' loads
     overlap a CTA's barrier. Per token: one barrier (``red`` is double-buffered), a two-level shuffle
@@ -238,8 +229,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     The ``taps - 1`` halo tokens a CTA walks before its chunk (they belong to the previous chunk) only feed the n
     ring: they compute the row sums, the gate and n, but skip the convolution, SiLU and every store (about 55 % of
     a token's work, on 3 of 35 tokens at chunk 32 and 4 taps). ``planes``: the float32 rows of shared memory (the
-    weights, the float32 n ring) in two planes (``f32_rows``: no bank conflicts). ``wbf16``: ``fwd_smem_plan``'s
-    16-bit weight rows (a sweep variant; the same bits)."""
+    weights, the float32 n ring) in two planes (``f32_rows``: no bank conflicts)."""
     slots, threads = fwd_layout(d, vecs)
     nwarps = threads // 32
     R = taps - 1
@@ -248,7 +238,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     HS = max(hist, 1)
     DP = slots * threads * VEC
     EV = slots * VEC
-    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget, bool(wbf16))
+    NF, ring32 = fwd_smem_plan(d, taps, vecs, budget)
     rdt = "float32" if ring32 else dtype
     col, load32, store32 = f32_rows(DP, planes)
     # cross-warp sum: lane groups of G lanes (a power of two >= nwarps), QP of the 4 quantities per group
@@ -277,24 +267,6 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     def silu(u):
         return T.call_extern(f32, "tk_silu_approx", u)
 
-    @T.macro
-    def weight_vec(wl, wsm, w_h, w_v, conv_w, p: int, c0, shared: bool):
-        """``wl`` = the 16-bit vector at column ``c0`` of the plan's weight row ``p`` (w_h, w_v, tap taps-1,
-        taps-2, ...): from the plan's 16-bit rows in shared memory if ``shared`` (``wbf16``), else from global
-        memory."""
-        if shared:
-            for e in T.vectorized(VEC):
-                wl[e] = wsm[p, c0 + e]
-        elif p == 0:
-            for e in T.vectorized(VEC):
-                wl[e] = w_h[c0 + e]
-        elif p == 1:
-            for e in T.vectorized(VEC):
-                wl[e] = w_v[c0 + e]
-        else:
-            for e in T.vectorized(VEC):
-                wl[e] = conv_w[taps + 1 - p, c0 + e]
-
     @T.prim_func
     def main(
         H: T.Tensor((M, L, d), dtype),
@@ -319,7 +291,7 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             warp = tx // 32
             ring = T.alloc_shared((RS, DP), rdt)
             red = T.alloc_shared((2, 4, 32), f32)
-            wsm = T.alloc_shared((max(NF, 1), DP), dtype if wbf16 else f32)
+            wsm = T.alloc_shared((max(NF, 1), DP), f32)
             tot = T.alloc_local((4,), f32)
             part = T.alloc_local((4,), f32)
             sc4 = T.alloc_local((4,), f32)
@@ -339,19 +311,24 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             vo = T.alloc_local((VEC,), dtype)
             no = T.alloc_local((VEC,), dtype)
             base = br + dilation * chunk * bc
-            # the weight rows of the plan (w_h**2 or w_h, w_v, tap taps-1, taps-2, ...), once per CTA
+            # the float32 weight rows (w_h**2, w_v, tap taps-1, taps-2, ...), once per CTA
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
                 if c0 < d:
                     for p in T.unroll(NF, explicit=True):
-                        weight_vec(wl, wsm, w_h, w_v, conv_w, p, c0, False)
-                        if wbf16:  # as stored
+                        if p == 0:
                             for e in T.vectorized(VEC):
-                                wsm[p, c0 + e] = wl[e]
-                        elif p == 0:
+                                wl[e] = w_h[c0 + e]
                             for e in T.unroll(VEC):
                                 wsm[p, col(c0, e)] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
+                        elif p == 1:
+                            for e in T.vectorized(VEC):
+                                wl[e] = w_v[c0 + e]
+                            for e in T.unroll(VEC):
+                                wsm[p, col(c0, e)] = T.cast(wl[e], f32)
                         else:
+                            for e in T.vectorized(VEC):
+                                wl[e] = conv_w[taps + 1 - p, c0 + e]
                             for e in T.unroll(VEC):
                                 wsm[p, col(c0, e)] = T.cast(wl[e], f32)
             # the first token of the walk
@@ -405,10 +382,11 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            if NF > 0 and not wbf16:
+                            if NF > 0:
                                 load32(wf, wsm, 0, c0)
                             else:
-                                weight_vec(wl, wsm, w_h, w_v, conv_w, 0, c0, NF > 0)
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_h[c0 + e]
                                 for e in T.unroll(VEC):
                                     wf[e] = T.cast(wl[e], f32) * T.cast(wl[e], f32)
                             for k in T.unroll(VEC // 2):
@@ -454,10 +432,11 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     for s in T.unroll(slots):
                         c0 = (s * threads + tx) * VEC
                         if c0 < d:
-                            if NF > 1 and not wbf16:
+                            if NF > 1:
                                 load32(wf, wsm, 1, c0)
                             else:
-                                weight_vec(wl, wsm, w_h, w_v, conv_w, 1, c0, NF > 1)
+                                for e in T.vectorized(VEC):
+                                    wl[e] = w_v[c0 + e]
                                 for k in T.unroll(VEC // 2):
                                     wf[2 * k] = lo(wl, 2 * k)
                                     wf[2 * k + 1] = hi(wl, 2 * k)
@@ -471,10 +450,11 @@ def gate_conv_fwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                             if it >= R:  # halo tokens only feed the ring: no u, no Y
                                 for q in T.unroll(taps, explicit=True):
                                     # tap taps-1-q times n of q chain steps back (q = 0: this token)
-                                    if NF > 2 + q and not wbf16:
+                                    if NF > 2 + q:
                                         load32(wf, wsm, 2 + q, c0)
                                     else:
-                                        weight_vec(wl, wsm, w_h, w_v, conv_w, 2 + q, c0, NF > 2 + q)
+                                        for e in T.vectorized(VEC):
+                                            wl[e] = conv_w[taps - 1 - q, c0 + e]
                                         for k in T.unroll(VEC // 2):
                                             wf[2 * k] = lo(wl, 2 * k)
                                             wf[2 * k + 1] = hi(wl, 2 * k)
@@ -653,7 +633,7 @@ def bwd_elementwise(dtype: str, approx: bool = False):
 @kernel(pass_configs={"tl.disable_safe_memory_legalize": True, "tl.disable_thread_storage_sync": True})
 def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: int, with_dconv: bool = True,
                          vecs: int = 1, resident_w: bool = True, ahead: bool = True, planes: bool = True,
-                         split: int = 1, approx_sigmoid: bool = False, stats_b: bool = False):
+                         split: int = 1, approx_sigmoid: bool = False):
     """Fused backward: one walk per chain chunk with a front halo (history of n) and a look-ahead of
     ``taps - 1`` chain tokens (the transposed convolution needs g_u of later tokens). Writes dH, dk, dv and
     per-CTA partial sums ``part[cta] = (sum c*H*k, sum g_n*vhat*r_v[, dconv_w[0..taps)])`` in float32,
@@ -661,16 +641,16 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
 
     Iteration ``it`` runs stage A (n, u, g_u of chain token it-R) and stage B (the gate backward of token
     it-2R). Memory is pipelined: stage A's V and dY rows and its two statistics (alpha, rrms_v) arrive one
-    iteration ahead (registers), stage B's H, k, V, dY rows are issued at the top of the iteration so that they fly
-    during stage A, and stay in registers across the barrier (no reload). The per-thread rings (n, g_u) and the
+    iteration ahead (registers), stage B's H, k, V, dY rows and its four statistics (alpha, rrms_h, rrms_k, rrms_v)
+    are issued at the top of the iteration so that they fly during stage A, and stay in registers across the barrier
+    (no reload; the statistics there instead of after stage A: H100 at d=7168 0.645 -> 0.662 of copy, PERF-NOTES
+    session 37). The per-thread rings (n, g_u) and the
     drms_w accumulators live in shared memory and move as 16-byte vectors. ``resident_w``: the thread's columns
     of w_h, w_v and the conv taps are loaded into registers once, before the walk (H200: 0.424 -> 0.470 of copy at
     d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits behind the rows in flight, PERF-NOTES
     session 35); otherwise each stage loads its slot's weights where it uses them (L1 hits), which lowers the
     register peak (on sm_100a the resident weights spill). ``ahead=False`` issues stage A's rows and statistics
-    where it uses them (8 registers fewer per vector, still one round trip per iteration). ``stats_b`` (a sweep
-    variant prepared in session 36, not yet measured): stage B's four statistics are loaded with its rows at the top
-    of the iteration instead of after stage A.
+    where it uses them (8 registers fewer per vector, still one round trip per iteration).
 
     Each element takes few instructions (every rounding, product and sum has the operands and order of the
     per-element formulas): ``bwd_elementwise``'s widening, pair rounding of n, the gated fast reciprocal (or with
@@ -774,8 +754,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
             km = T.alloc_local((1,), "uint32")
             sa = T.alloc_local((2,), f32)  # stage A's alpha and rrms_v (``ahead``: sn holds the next iteration's)
             sn = T.alloc_local((2,), f32)
-            if stats_b:
-                sb = T.alloc_local((4,), f32)  # stage B's alpha, rrms_h, rrms_k, rrms_v, loaded with its rows
+            sb = T.alloc_local((4,), f32)  # stage B's alpha, rrms_h, rrms_k, rrms_v, loaded with its rows
             nch = T.ceildiv(L, dilation * chunk)
             base = br + dilation * chunk * bc
             pid = (bm * dilation + br) * nch + bc
@@ -828,11 +807,10 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     sa[1] = rr_v[bm, tj]
                 do_b = it >= 2 * R and ti < L
                 if do_b:
-                    if stats_b:
-                        sb[0] = alpha[bm, ti]
-                        sb[1] = rr_h[bm, ti]
-                        sb[2] = rr_k[bm, ti]
-                        sb[3] = rr_v[bm, ti]
+                    sb[0] = alpha[bm, ti]
+                    sb[1] = rr_h[bm, ti]
+                    sb[2] = rr_k[bm, ti]
+                    sb[3] = rr_v[bm, ti]
                     load_row(xa, H, bm, ti, tx, slots, threads, DW, cb)
                     load_row(xb, K, bm, ti, tx, slots, threads, DW, cb)
                     load_row(xc, V, bm, ti, tx, slots, threads, DW, cb)
@@ -902,13 +880,7 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                         store32(ring_g, gj, c0, gv)
                 # ---- stage B: token i = it - 2R (norm and gate backward, dH, dk, dv) ----
                 if do_b:
-                    if stats_b:
-                        a, rh, rk, rv = sb[0], sb[1], sb[2], sb[3]
-                    else:
-                        a = alpha[bm, ti]
-                        rh = rr_h[bm, ti]
-                        rk = rr_k[bm, ti]
-                        rv = rr_v[bm, ti]
+                    a, rh, rk, rv = sb[0], sb[1], sb[2], sb[3]
                     for q in T.unroll(4):
                         ps[q] = T.float32(0)
                     for s in T.unroll(slots):

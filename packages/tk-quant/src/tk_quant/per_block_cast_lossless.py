@@ -106,12 +106,12 @@ def row_seg(bk_out: int, seg: int = SEG) -> int:
 
 
 def _tile(bm_out: int, bk_out: int, passes: int = PASSES, seg: int = SEG,
-          threads: int = THREADS, tile_k: int = 0) -> tuple[int, int, int]:
+          threads: int = THREADS) -> tuple[int, int, int]:
     """(BK, TPR, P): BK columns per tile, TPR threads per row (``row_seg`` columns each), P consecutive rows per
     thread. ``bm_out == 1``: one warp per row segment (BK = 32 * seg), so the output scales a warp writes for one
     row are a contiguous run. A tile holds whole output block rows."""
     seg = row_seg(bk_out, seg)
-    BK = tile_k or (32 * seg if bm_out == 1 else max(bk_out, 128))
+    BK = 32 * seg if bm_out == 1 else max(bk_out, 128)
     TPR = BK // seg
     return BK, TPR, max(passes, bm_out * TPR // threads)
 
@@ -184,18 +184,12 @@ def per_block_cast_lossless_kernel(
     bufs: int = 0,
     int_lut: bool = True,
     threads: int = THREADS,
-    block_max: str = "shared",
-    tile_k: int = 0,
 ):
     """``in_kind``: ``"fp32"`` (any strides) or ``"packed"`` (UE8M0 bytes); ``layout``: output SF layout;
     ``passes``: consecutive rows per thread (a power of two; 0: ``PASSES``; raised so that a tile
     holds a whole output block row); ``bufs``: tile buffers (0: ``default_bufs``); ``int_lut`` False: every row's
     byte LUT by the float conversions (the sweep's reference point for the integer path); ``threads``: CTA size
-    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line). Two sweep variants
-    prepared in session 36 and not yet measured (no device time was left): ``block_max`` "scales" gives blocks taller
-    than a warp's rows their maxima without shared memory or a barrier per tile (each warp loads all the input
-    scale words of its blocks with the tile and reduces them after converting the tile before); ``tile_k``
-    overrides the tile's columns (32 for 32 x 32 blocks: 2 lanes per row, so a warp's 32 rows hold whole blocks).
+    (``THREADS``; 512 gives 128 x 128 blocks a 2-row tile: a sweep variant, slower on every line).
 
     Persistent: one CTA per slot of ``err`` (the op launches ``num_ctas``: at most SMs x ``min_blocks``;
     ``min_blocks`` 0: ``default_min_blocks``) loop over the tiles, and each loads the tile ``bufs - 1`` ahead (data
@@ -212,7 +206,7 @@ def per_block_cast_lossless_kernel(
     (the slots are zeroed host memory that the check reads, ``tk_core.hostmem``: nothing crosses the bus when
     the input is clean)."""
     seg = row_seg(bk_out, seg)
-    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads, tile_k)
+    BK, TPR, P = _tile(bm_out, bk_out, passes or PASSES, seg, threads)
     min_blocks = min_blocks or default_min_blocks(P, bm_out, bk_out, in_kind, seg)
     bufs = bufs or default_bufs(bm_out)
     num_tokens = T.dynamic("num_tokens")
@@ -233,58 +227,9 @@ def per_block_cast_lossless_kernel(
     # columns within bk_in, rows within bm_in) changes nothing and is left out
     offsets = [1 << i for i in range(5) if bk_in // seg <= (1 << i) < bk_out // seg]
     offsets += [TPR << i for i in range(5) if (TPR << i) < 32 and bm_in <= (P << i) < bm_out]
-    # block_max "scales" (blocks taller than a warp's rows): each warp takes its blocks' maxima from all their input
-    # scale words itself, no shared memory and no barrier. Word w of the warp's NBC blocks (W in all, NW per lane):
-    # block column w % NBC, then input-scale column (fastest) and row of that block.
-    by_scales = block_max == "scales" and WPB > 1
-    RB = bm_out // bm_in
-    KB = bk_out // bk_in
-    W = NBC * RB * KB
-    NW = ceil_div(W, 32)
-    RW = 32 // (NBC * KB)  # rows of input scales between a lane's words
-
-    def exponent(word):
-        """The biased exponent (0..255) of a raw input scale word (fp32 bits, or the UE8M0 byte of the packed layout)."""
-        return word if in_kind == "packed" else T.bitwise_and(T.shift_right(word, 23), 0xFF)
 
     @T.macro
-    def load_block_words(sf_in, s0, s1, bw, lr, lc, mk, tx):
-        """Raw input scale words of the blocks of the tile at ``lr``/``lc`` that this lane's warp covers (0 outside
-        the tensor). NBC * KB divides 32, so a lane's words share one input-scale column and step through the rows
-        by RW = 32 / (NBC * KB). ``mk``: the lane's first row, its column, the offset of its next word and the step
-        between its words, int32 (as expressions the offsets are widened to int64 word by word)."""
-        lane = tx % 32
-        mk[0] = T.truncdiv(lr[0], bm_out) * (bm_out // bm_in) + T.truncdiv(lane, NBC * KB)
-        mk[1] = T.truncdiv(lc[0], TPR) * (BK // bk_in) + T.truncmod(lane, NBC) * KB + T.truncmod(T.truncdiv(lane, NBC), KB)
-        if in_kind == "packed":
-            mk[2] = 4 * (mk[0] * s0 + T.truncdiv(mk[1], 4) * s1) + T.truncmod(mk[1], 4)
-            mk[3] = 4 * RW * s0
-        else:
-            mk[2] = mk[0] * s0 + mk[1] * s1
-            mk[3] = RW * s0
-        for i in T.unroll(NW):
-            if lane + 32 * i < W and (mk[0] + i * RW) * bm_in < num_tokens and mk[1] * bk_in < hidden:
-                if in_kind == "packed":
-                    bw[i] = T.cast(sf_in[mk[2]], "int32")
-                else:
-                    bw[i] = sf_in[mk[2]]
-            else:
-                bw[i] = 0
-            mk[2] = mk[2] + mk[3]
-
-    @T.macro
-    def reduce_block_words(bw, bm_, tx):
-        """``bm_[0]``: the maximum exponent of the block of this lane's columns, from the words of ``bw``."""
-        bm_[0] = 0
-        for i in T.unroll(NW):
-            bm_[0] = T.max(bm_[0], exponent(bw[i]))
-        for off in [NBC << j for j in range(5) if (NBC << j) < 32]:
-            bm_[0] = T.max(bm_[0], T.shfl_xor(bm_[0], off))
-        if NBC > 1:
-            bm_[0] = T.shfl_sync(bm_[0], (tx % TPR) * seg // bk_out)
-
-    @T.macro
-    def load(x, sf_in, s0, s1, xb, sw, lr, lc, bw, bm_, tile, tx, mk):
+    def load(x, sf_in, s0, s1, xb, sw, lr, lc, tile, tx):
         """Data and raw input scale words of ``tile`` (zeros outside the tensor: exponent 0, admissible)."""
         # int32 row and column (in seg-value units: the vector accesses stay provably aligned); as expressions
         # they are widened to int64 (64-bit div/mod by NXT)
@@ -303,11 +248,9 @@ def per_block_cast_lossless_kernel(
                     sw[p] = sf_in[(row // bm_in) * s0 + (lc[0] // (bk_in // seg)) * s1]
             else:
                 sw[p] = 0
-        if by_scales:
-            load_block_words(sf_in, s0, s1, bw, lr, lc, mk, tx)
 
     @T.macro
-    def convert(out, sf, nerr, part, xin, sw, lr, lc, bw, bm_, par, tx, nm):
+    def convert(out, sf, nerr, part, xin, sw, lr, lc, par, tx, nm):
         """Block maxima, output scales and e4m3 bytes of the tile held in ``xin``/``sw``."""
         ex = T.alloc_local((P,), "int32")
         bad = T.alloc_local((P,), "int32")
@@ -317,21 +260,19 @@ def per_block_cast_lossless_kernel(
         scl = T.alloc_local((1,), "float32")
         cb = (tx % TPR) * seg // bk_out  # output block column inside the tile
         for p in T.unroll(P):
-            ex[p] = exponent(sw[p])
             if in_kind == "packed":
+                ex[p] = sw[p]
                 bad[p] = T.if_then_else(ex[p] == 255, 1, 0)
             else:
+                ex[p] = T.bitwise_and(T.shift_right(sw[p], 23), 0xFF)
                 bad[p] = T.if_then_else(T.bitwise_and(sw[p], T.int32(-0x7F800001)) != 0 or ex[p] == 255, 1, 0)
-        if by_scales:
-            em[0] = bm_[0]
-        else:
-            for g in T.unroll(G):
-                em[g] = ex[g * (P // G)]
-                for q in range(1, P // G):
-                    em[g] = T.max(em[g], ex[g * (P // G) + q])
-                for off in offsets:
-                    em[g] = T.max(em[g], T.shfl_xor(em[g], off))
-        if WPB > 1 and not by_scales:
+        for g in T.unroll(G):
+            em[g] = ex[g * (P // G)]
+            for q in range(1, P // G):
+                em[g] = T.max(em[g], ex[g * (P // G) + q])
+            for off in offsets:
+                em[g] = T.max(em[g], T.shfl_xor(em[g], off))
+        if WPB > 1:
             # one partial per warp and block column; consecutive tiles use different buffers, so a fast warp writing
             # the next tile's partials never overwrites ones a slow warp still reads
             w = tx // 32
@@ -375,16 +316,12 @@ def per_block_cast_lossless_kernel(
                         sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
 
     @T.macro
-    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, xn, swn, rn, cn, bwn, bmn, it, niter, nctas,
-             bid, tx, nm, par, mk):
-        """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one
-        (``by_scales``: then take the block maxima of the tile just loaded, whose words have arrived meanwhile)."""
+    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm, par):
+        """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one."""
         if it < niter:
             if it + bufs - 1 < niter:
-                load(x, sf_in, s0, s1, xn, swn, rn, cn, bwn, bmn, bid + (it + bufs - 1) * nctas, tx, mk)
-            convert(out, sf, nerr, part, xc, swc, rc, cc, bwc, bmc, par, tx, nm)
-            if by_scales and it + bufs - 1 < niter:
-                reduce_block_words(bwn, bmn, tx)
+                load(x, sf_in, s0, s1, xn, swn, rn, cn, bid + (it + bufs - 1) * nctas, tx)
+            convert(out, sf, nerr, part, xc, swc, rc, cc, par, tx, nm)
 
     @T.prim_func
     def main(
@@ -401,11 +338,9 @@ def per_block_cast_lossless_kernel(
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             tx = T.get_thread_binding()
-            # tile buffers: data, raw input scale words, first row, column (by_scales: the blocks' scale words and
-            # the lane's block maximum)
+            # tile buffers: data, raw input scale words, first row, column
             buf = [(T.alloc_local((P, seg // 8), "int32"), T.alloc_local((P,), "int32"), T.alloc_local((1,), "int32"),
-                    T.alloc_local((1,), "int32"), T.alloc_local((NW,), "int32"), T.alloc_local((1,), "int32"))
-                   for _ in range(bufs)]
+                    T.alloc_local((1,), "int32")) for _ in range(bufs)]
             part = T.alloc_shared((bufs * NBR * NBC * WPB,), "int32")
             nerr = T.alloc_local((1,), "int32")
             warp_err = T.alloc_shared((threads // 32,), "int32")
@@ -413,20 +348,15 @@ def per_block_cast_lossless_kernel(
             nm = T.ceildiv(num_tokens, bm_out)
             niter = T.truncdiv(ntiles - bid + num_ctas - 1, num_ctas)
 
-            mk = T.alloc_local((4,), "int32") if by_scales else None
-            load(x, sf_in, s0, s1, *buf[0], bid, tx, mk)
-            if by_scales:
-                reduce_block_words(buf[0][4], buf[0][5], tx)
+            load(x, sf_in, s0, s1, *buf[0], bid, tx)
             for b in tuple(range(1, bufs - 1)):  # a tuple: the builder turns a plain range into a TIR loop
                 if b < niter:
-                    load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx, mk)
-                    if by_scales:
-                        reduce_block_words(buf[b][4], buf[b][5], tx)
+                    load(x, sf_in, s0, s1, *buf[b], bid + b * num_ctas, tx)
             for itb in T.serial(T.truncdiv(niter + bufs - 1, bufs)):
                 # bufs tiles per step, one per buffer (no copies between them)
                 for b in tuple(range(bufs)):
                     step(x, sf_in, s0, s1, out, sf, nerr, part, *buf[b], *buf[(b + bufs - 1) % bufs], itb * bufs + b, niter,
-                         num_ctas, bid, tx, nm, b, mk)
+                         num_ctas, bid, tx, nm, b)
             # this CTA's error count, written whether or not it is zero: no counter to zero before the launch
             _tl.store_cta_count(err, bid, nerr, warp_err, tx, threads // 32, zero_counts)
 

@@ -288,10 +288,14 @@ def fwd_token_chunks(hidden: int, in_dtype: str = "bfloat16") -> int:
     return 2 if (hidden // 256) % 2 == 0 else 1
 
 
-def fwd_token_min_blocks(in_dtype: str) -> int:
-    """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows;
-    float32 rows hold twice the loaded registers and keep ptxas's own choice."""
-    return 10 if in_dtype == "bfloat16" else 1
+def fwd_token_min_blocks(in_dtype: str, clamp_mode: str) -> int:
+    """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows, 9 (56)
+    with clamp counting, whose kernel spills 12 bytes at 48 (H100: 9 CTAs 1.6 / 0.7 % faster than 10 with and
+    without pos_to_expert, 8 slower; PERF-NOTES session 37); float32 rows hold twice the loaded registers and keep
+    ptxas's own choice."""
+    if in_dtype != "bfloat16":
+        return 1
+    return 9 if clamp_mode == "count" else 10
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
@@ -1068,7 +1072,7 @@ def swiglu_forward_and_per_token_cast_(
         round_sf=round_sf,
         clamp_mode=mode,
         chunks=fwd_token_chunks(h, _IN_DTYPES[x.dtype]),
-        min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype]),
+        min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype], mode),
         pair_scales=True,
         weighted=topk_weights is not None,
         pack_counts=True,
