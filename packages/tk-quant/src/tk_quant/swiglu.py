@@ -291,8 +291,8 @@ def fwd_token_chunks(hidden: int, in_dtype: str = "bfloat16") -> int:
 def fwd_token_min_blocks(in_dtype: str, clamp_mode: str) -> int:
     """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows, 9 (56)
     with clamp counting, whose kernel spills 12 bytes at 48 (H100, two runs: 9 CTAs 0.8-1.6 % faster than 10 with
-    pos_to_expert, equal to +0.7 % without, 8 slower; PERF-NOTES session 37); float32 rows hold twice the loaded registers and keep
-    ptxas's own choice."""
+    pos_to_expert, equal to +0.7 % without, 8 slower; PERF-NOTES session 37); float32 rows hold twice the loaded
+    registers and keep ptxas's own choice."""
     if in_dtype != "bfloat16":
         return 1
     return 9 if clamp_mode == "count" else 10
