@@ -51,8 +51,8 @@ VARIANTS = {
             "early_if_pe": dict(load_order="early_if_pe"),
             # CTAs per SM (the default: 10, the count kernel 9; ``fwd_token_min_blocks``). The count kernel spills
             # 12 bytes at 10 (48 registers) and none at 9 (56) or 8 (64). Session 37 (H100, sweep_swiglu_s37.log):
-            # with counts 9 +1.6 / +0.7 % over 10 (pe T / F), 8 -0.5 / -0.9 %, run 2 (A B B A) 9 +0.8 / 0 %; without counts
-            # all three equal
+            # with counts 9 +1.6 / +0.7 % over 10 (pe T / F), 8 -0.5 / -0.9 %; run 2 (A B B A) 9 +0.8 / 0 %;
+            # without counts all three equal
             "mb10": dict(min_blocks=10),
             "mb9": dict(min_blocks=9),
             "mb8": dict(min_blocks=8),

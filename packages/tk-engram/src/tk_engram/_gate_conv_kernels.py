@@ -645,10 +645,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     are issued at the top of the iteration so that they fly during stage A, and stay in registers across the barrier
     (no reload; the statistics there instead of after stage A: H100 at d=7168 0.645 -> 0.662 of copy, PERF-NOTES
     session 37). The per-thread rings (n, g_u) and the drms_w accumulators live in shared memory and move as 16-byte
-    vectors. ``resident_w``: the thread's columns
-    of w_h, w_v and the conv taps are loaded into registers once, before the walk (H200: 0.424 -> 0.470 of copy at
-    d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits behind the rows in flight, PERF-NOTES
-    session 35); otherwise each stage loads its slot's weights where it uses them (L1 hits), which lowers the
+    vectors. ``resident_w``: the thread's columns of w_h, w_v and the conv taps are loaded into registers once, before
+    the walk (H200: 0.424 -> 0.470 of copy at d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits
+    behind the rows in flight, PERF-NOTES session 35); otherwise each stage loads its slot's weights where it uses them (L1 hits), which lowers the
     register peak (on sm_100a the resident weights spill). ``ahead=False`` issues stage A's rows and statistics
     where it uses them (8 registers fewer per vector, still one round trip per iteration).
 
