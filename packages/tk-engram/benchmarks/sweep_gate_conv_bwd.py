@@ -8,9 +8,11 @@ runs with it. All kernels compile first, in parallel.
 
 Checks, per variant, on the anchors and odd shapes (d=200 fp16 with 3 taps and dilation 2, an unaligned d=1000,
 the same with conv taps so large that most vectors take the IEEE reciprocal, T below the history, 1 token, 0
-tokens, a d=8192 row): the public op against ``reference.gate_conv_bwd_ref`` with the GPU test's criteria
-(``ref``) and two runs bit-identical (``det``). Then times the public op (main kernel, the dconv kernel where it
-runs, the fixed-order sums; CUPTI, L2 flushed) on the anchors. ``anchor`` is the measured copy bandwidth, so
+tokens, a d=8192 row, the cluster's halves wider than 4096 columns at d = 9216 / 12320 / 16384, and d=9224 without
+16-byte halves): the public op against ``reference.gate_conv_bwd_ref`` with the GPU test's criteria (``ref``) and
+two runs bit-identical (``det``). Then times the public op (main kernel, the dconv kernel where it runs, the
+fixed-order sums; CUPTI, L2 flushed) on the anchors, or with ``wide`` among the arguments on 8192 tokens at d = 9216 /
+12288 / 16384 (``WIDE``). ``anchor`` is the measured copy bandwidth, so
 ``ratio-of-copy`` is the fraction of copy (target 0.85). Bytes: ``gate_conv.bwd_roofline_bytes``.
 """
 
@@ -38,6 +40,14 @@ def config(split_max=2, cluster_chunk=2 * gate_conv.CHUNK):
     return cfg
 
 
+def half_vecs(vecs):
+    """The op default with ``vecs`` vectors per thread in the cluster CTAs that hold more than 4096 columns."""
+    def cfg(d, arch, default=gate_conv.bwd_config):  # bound now: ``main`` replaces ``gate_conv.bwd_config``
+        c = default(d, arch)
+        return dict(c, vecs=vecs) if c["split"] > 1 and not c["with_dconv"] else c
+    return cfg
+
+
 def default_with(**over):
     """The op default with ``over`` set (bound now: ``main`` replaces ``gate_conv.bwd_config`` by the variant)."""
     return lambda d, arch, cfg=gate_conv.bwd_config: dict(cfg(d, arch), **over)
@@ -46,6 +56,11 @@ def default_with(**over):
 VARIANTS = {
     "new": gate_conv.bwd_config,  # the op default (128 tokens per cluster)
     "nosplit": config(split_max=1),  # session 6: one CTA per chunk, 2 vectors per thread and the dconv kernel
+    # the cluster's halves wider than 4096 columns (d > 8192) at 2 / 3 vectors per thread (default:
+    # ``bwd_half_vecs``); ``nosplit`` is the op before session 38 there (one CTA up to d = 10,240, the reference
+    # above)
+    "hv2": half_vecs(2),
+    "hv3": half_vecs(3),
     "split_c64": config(cluster_chunk=64),  # twice the clusters: two rounds at 8192 tokens
     "split_c32": config(cluster_chunk=32),
     # the approximate sigmoid at every width (the op takes it in the cluster kernels only)
@@ -69,14 +84,21 @@ ODD = [  # (M, T, d, taps, dilation, dtype, conv_w scale)
     (3, 150, 7168, 3, 2, torch.bfloat16, 40.0),
     (1, 70, 8192, 4, 2, torch.bfloat16, 0.5),
     (2, 0, 200, 3, 2, torch.float16, 0.5),
+    (1, 70, 9216, 4, 2, torch.bfloat16, 0.5),  # cluster halves wider than 4096 columns
+    (2, 33, 12320, 3, 1, torch.float16, 0.5),  # (halves of 6160 columns: a partial last vector group)
+    (1, 40, 16384, 4, 3, torch.bfloat16, 0.5),
+    (1, 20, 9224, 4, 1, torch.bfloat16, 0.5),  # no 16-byte halves: one CTA
 ]
+# checked and timed with ``wide`` among the arguments (instead of timing the anchors): the rows the cluster takes
+# from session 38 on
+WIDE = [(1, 8192, 9216, 4, 1), (1, 8192, 12288, 4, 1), (1, 8192, 16384, 4, 1)]
 TL = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SHAPES = [(*a, torch.bfloat16, 0.5) for a in ANCHORS] + ODD
 
 
-def jobs(variant):
+def jobs(variant, shapes):
     out = []
-    for _, _, d, taps, dil, dt, _ in SHAPES:
+    for _, _, d, taps, dil, dt, _ in shapes:
         cfg = VARIANTS[variant](d, arch_of(None))
         p = dict(dtype=TL[dt], d=d, taps=taps, dilation=dil)
         out.append((main_kernel(variant), dict(p, **cfg)))
@@ -117,9 +139,11 @@ def checks(args, dil):
 
 def main():
     names = [n for n in sys.argv[1:] if n in VARIANTS] or list(VARIANTS)
+    timed = WIDE if "wide" in sys.argv[1:] else ANCHORS
+    shapes = SHAPES + [(*a, torch.bfloat16, 0.5) for a in timed if a not in ANCHORS]
     uniq = {}
     for n in names:
-        for f, p in jobs(n):
+        for f, p in jobs(n, shapes):
             uniq[(f.name, tuple(sorted(p.items())))] = (f, p)
 
     def build(job):  # failures print and leave the variant to fail below
@@ -133,7 +157,7 @@ def main():
     copy = copy_bandwidth_gbps()
     print(f"copy {copy:.0f} GB/s ({len(uniq)} kernels)", flush=True)
     torch.manual_seed(0)
-    cases = {s: case(*s) for s in SHAPES}
+    cases = {s: case(*s) for s in shapes}
     default = gate_conv.bwd_config
     for n in names:
         try:
@@ -143,7 +167,7 @@ def main():
                 M, T, d, taps, dil = s[:5]
                 good, det = checks(args, dil)
                 shape = f"M={M} T={T} d={d} taps={taps} dil={dil} {TL[s[5]]} w={s[6]}"
-                if s[:5] not in ANCHORS or s[5] != torch.bfloat16 or s[6] != 0.5:
+                if s[:5] not in timed or s[5] != torch.bfloat16 or s[6] != 0.5:
                     print(f"bwd[{n}] {shape} ref={good} det={det}", flush=True)
                     continue
                 us = device_time_us(lambda args=args, dil=dil: gate_conv.engram_gate_conv_bwd(*args, dilation=dil))

@@ -515,9 +515,26 @@ def cluster_sync():
 
 def bwd_split(d: int) -> int:
     """CTAs that share a row in the backward: 2 (a thread block cluster, each CTA half of the columns) for rows
-    wider than 4096 whose halves take the fused single-kernel path (16-byte vectors: d % 16 == 0; d <= 8192),
-    else 1. ``fuse_dconv(d // bwd_split(d))`` tells whether dconv_w is accumulated in the main kernel."""
-    return 2 if not fuse_dconv(d) and d % (2 * VEC) == 0 and fuse_dconv(d // 2) else 1
+    wider than 4096 with 16-byte halves (d % 16 == 0) of at most ``MAX_HALF`` columns, else 1. Halves of up to
+    4096 columns take the fused single-kernel path (``fuse_dconv(d // bwd_split(d))``: dconv_w accumulated in the
+    main kernel), wider halves the dconv kernel."""
+    return 2 if not fuse_dconv(d) and d % (2 * VEC) == 0 and d // 2 <= MAX_HALF else 1
+
+
+# The widest half row of the backward's cluster: its CTA takes at most 16 warps (each warp's partials take a lane of
+# the cross-warp sum, 2 x 16 of 32) at ``bwd_half_vecs`` vectors per thread.
+MAX_HALF = 8192
+# The threads of a cluster CTA whose half row is wider than 4096 columns (``bwd_half_vecs``).
+HALF_THREADS = 384
+
+
+def bwd_half_vecs(dw: int) -> int:
+    """16-byte vectors per thread of a cluster CTA holding ``dw`` > 4096 columns (the unfused path): 2, or as many as
+    keep the CTA within ``HALF_THREADS`` threads. sm_90a, 4 taps: 2 vectors at 4608 / 6144 columns take 168
+    registers and spill 36 bytes, 3 vectors 255 and none, yet 3 measured 6 / 3.5 % slower (d = 9216 / 12288, H100);
+    8192 columns at 2 vectors (512 threads, a 128-register cap) spill 612 bytes and run at half the speed of 3 vectors
+    (352 threads, 48 bytes; PERF-NOTES session 38)."""
+    return max(2, ceil_div(dw, VEC * HALF_THREADS))
 
 
 @T.macro
@@ -543,8 +560,9 @@ def bwd_shared_bytes(d: int, taps: int, vecs: int, with_dconv: bool, acc_shared:
 
 
 def bwd_fits(d: int, taps: int, vecs: int) -> bool:
-    """Whether the backward kernel's rings fit in shared memory (bf16/fp16, with the drms_w accumulators moved
-    to global memory if need be): up to d = 10,240 at 4 taps. Wider rows run the reference on the GPU."""
+    """Whether the backward kernel's rings for ``d`` columns per CTA fit in shared memory (bf16/fp16, with the
+    drms_w accumulators moved to global memory if need be): up to 10,240 columns at 4 taps. Wider rows run the
+    reference on the GPU unless ``bwd_split`` halves them."""
     return bwd_shared_bytes(d, taps, vecs, fuse_dconv(d), acc_shared=False) <= MAX_SMEM_PER_BLOCK
 
 

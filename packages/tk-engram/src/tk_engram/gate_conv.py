@@ -31,17 +31,18 @@ and the argument. M*T == 0 returns empty outputs (and an all-zero state) without
 
 Kernels (``_gate_conv_kernels``): one CTA walks consecutive tokens of one residue chain (t mod dilation) of
 one row (32 in the forward, at 2 CTAs per SM; 64 in the backward) with whole d-rows per CTA and 16-byte
-vectors; the conv history lives in shared memory per thread column. In the backward, rows of 4096 < d <= 8192
+vectors; the conv history lives in shared memory per thread column. In the backward, rows of 4096 < d <= 16384
 (d % 16 == 0) go to a cluster of 2 CTAs per 128-token chunk, each CTA half of the columns, the per-token row
 sums exchanged through distributed shared memory.
 Numerics: float32 arithmetic (row sums in a fixed tree order); the forward's SiLU (and the sigmoid of g_u in the
-backward at 4096 < d <= 8192) comes from the hardware's approximate exp2 and reciprocal (relative error < 2**-17 for
+backward's clusters) comes from the hardware's approximate exp2 and reciprocal (relative error < 2**-17 for
 |u| < 64), so the outputs match the reference to about the rounding of T, not bit for bit. Runs are bitwise
 reproducible.
-Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch for the other rows wider than 4096) +
-fixed-order sums. The backward's rings fill shared memory: above d = 10,240 (4 taps; ``bwd_fits``) it runs the
-reference on the GPU (same outputs to the test tolerances, deterministic, slower); so does the forward above d =
-38,400 at 4 taps, or from 30 taps at d = 4096 (``fwd_fits``: its n ring of taps - 1 rows).
+Forward: 1 launch; backward: 1 launch (+1 column-split dconv launch where a CTA holds more than 4096 columns) +
+fixed-order sums. The backward's rings fill shared memory: rows it cannot hold (4 taps: d > 16,384, or d > 10,240
+without 16-byte halves; ``bwd_fits``) run the reference on the GPU (same outputs to the test tolerances,
+deterministic, slower); so does the forward above d = 38,400 at 4 taps, or from 30 taps at d = 4096 (``fwd_fits``:
+its n ring of taps - 1 rows).
 Runtime (no recompile): M, T, eps. Compile-time: dtype, d, w, dilation.
 
 Roofline bytes (e = element size, N = M*T tokens; the benchmark's ``bytes``):
@@ -61,6 +62,7 @@ from tk_core.library import device_op
 from . import reference
 from ._gate_conv_kernels import (
     bwd_fits,
+    bwd_half_vecs,
     bwd_split,
     fuse_dconv,
     fwd_fits,
@@ -93,7 +95,10 @@ FWD_PARAMS = dict(chunk=32, vecs=2, min_blocks=2)
 # 309 -> 261 us at d=4096, sweep_gate_conv_bwd_s6.log). The cluster took d=7168 from 675 to 510 us on the H200,
 # 0.288 -> 0.382 of copy (sweep_gate_conv_bwd_s7.log). Other wide rows: 2 vectors per thread (448 threads at d=7168
 # measured 0.288 / 0.279 of copy at dilation 1 / 3 against 0.268 / 0.271 with 1 vector and 896 threads, whose
-# 72-register cap spills), contiguous rows (the planes measured 6 % slower there) and the dconv kernel. Both: stage
+# 72-register cap spills), contiguous rows (the planes measured 6 % slower there) and the dconv kernel; cluster halves
+# wider than 4096 columns (8192 < d <= 16384) take ``bwd_half_vecs`` vectors instead (H100, 8192 tokens: d = 9216
+# 2,549 -> 935 us against one CTA per chunk, d = 12288 / 16384 1,118 / 1,845 us against 26.9 / 35.7 ms for the
+# reference that ran there before; sweeps/sweep_gate_conv_bwd_wide_s38.log). Both: stage
 # A's rows and statistics one iteration ahead (the statistics: 0.470 -> 0.489 of copy at d=4096 on the H200), the
 # weights in registers for the whole walk where that does not spill (``RESIDENT_W_ARCHS``), else loaded where each
 # stage uses them.
@@ -112,8 +117,9 @@ DCONV_PARAMS = dict(chunk=128, threads=128, min_blocks=4)
 
 def bwd_config(d: int, arch: str) -> dict:
     """The backward main kernel's parameters for rows of ``d`` columns: ``split`` CTAs (a cluster) per chain chunk
-    (``bwd_split``: 2 for 4096 < d <= 8192), then ``BWD_PARAMS`` by whether dconv_w is accumulated in the main
-    kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it). The cluster kernels take the
+    (``bwd_split``: 2 for 4096 < d <= 16384), then ``BWD_PARAMS`` by whether dconv_w is accumulated in the main
+    kernel (``with_dconv``; otherwise ``gate_conv_dconv_kernel`` runs after it; cluster halves wider than 4096
+    columns take ``bwd_half_vecs`` vectors per thread). The cluster kernels take the
     approximate sigmoid (``approx_sigmoid``: 0.381 -> 0.400 of copy at d=7168 on the H200; at d=4096 it measured
     1.4 % slower, so the single-CTA kernels keep the precise one). A cluster walks ``2 * CHUNK``
     tokens, so that at 8192 tokens the clusters fill one wave as single CTAs of ``CHUNK`` tokens do (the H200 at
@@ -121,8 +127,10 @@ def bwd_config(d: int, arch: str) -> dict:
     ``arch`` (of the device) picks whether the fused kernels keep the weights in registers (``RESIDENT_W_ARCHS``)."""
     split = bwd_split(d)
     fused = fuse_dconv(d // split)
-    return dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1,
-                **bwd_params(fused, arch))
+    cfg = dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1, **bwd_params(fused, arch))
+    if split > 1 and not fused:  # halves wider than 4096 columns
+        cfg["vecs"] = bwd_half_vecs(d // split)
+    return cfg
 
 
 def bwd_params(fused: bool, arch: str) -> dict:
