@@ -316,7 +316,8 @@ def per_block_cast_lossless_kernel(
                         sf[_tl.sf_offset(layout, m, k, nm, nk)] = T.reinterpret(T.shift_left(e_out, 23), "float32")
 
     @T.macro
-    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm, par):
+    def step(x, sf_in, s0, s1, out, sf, nerr, part, xc, swc, rc, cc, xn, swn, rn, cn, it, niter, nctas, bid, tx, nm,
+             par):
         """Tile ``it``: load tile ``it + bufs - 1`` into the buffer freed by tile ``it - 1``, then convert this one."""
         if it < niter:
             if it + bufs - 1 < niter:
