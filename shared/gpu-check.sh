@@ -5,15 +5,18 @@
 #
 #   bash .gpu/run.sh bash shared/gpu-check.sh                 # results under $OUT (or shared/benchmarks/<gpu>)
 #   PACKAGES="tk-quant" BENCH_FILTER="not torch" bash .gpu/run.sh bash shared/gpu-check.sh
+#   SKIP_BENCH=1 ... / SKIP_TIER=1 ...     # the tier alone / the benchmarks alone (two device calls of < 10 min)
 set -uo pipefail
 packages=${PACKAGES:-"tk-core tk-transpose tk-quant tk-engram"}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
 out=${OUT:-shared/benchmarks/${gpu:-gpu}}
 mkdir -p "$out"
 paths=$(for p in $packages; do printf 'packages/%s ' "$p"; done)
-python3 -m pytest $paths tests-integration -m gpu -n "${WORKERS:-16}" -q -p no:cacheprovider >"$out/gpu.log" 2>&1
-echo "gpu tier: $(tail -1 "$out/gpu.log")"
-grep -E '^(FAILED|ERROR)' "$out/gpu.log" | cut -c1-200 | head -30
+if [ "${SKIP_TIER:-0}" != 1 ]; then
+  python3 -m pytest $paths tests-integration -m gpu -n "${WORKERS:-16}" -q -p no:cacheprovider >"$out/gpu.log" 2>&1
+  echo "gpu tier: $(tail -1 "$out/gpu.log")"
+  grep -E '^(FAILED|ERROR)' "$out/gpu.log" | cut -c1-200 | head -30
+fi
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 # One pytest call per benchmark file: pytest-benchmark writes its JSON only when the session ends, so a call cut
 # short by a time limit would lose every figure of the package. Each file's JSON goes to a scratch folder and is
