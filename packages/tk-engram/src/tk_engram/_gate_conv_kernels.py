@@ -513,19 +513,19 @@ def cluster_sync():
     return T.evaluate(tirx.call_intrin("void", tirx.op.Op.get("tl.cluster_sync")))
 
 
+# The widest half row of the backward's cluster: the widest measured (session 38). Beyond it ``bwd_half_vecs`` gives 4
+# vectors per thread, which spill (1,124 bytes at 8192 columns on sm_90a), although the rings fit up to 10,240.
+MAX_HALF = 8192
+# The threads of a cluster CTA whose half row is wider than 4096 columns (``bwd_half_vecs``).
+HALF_THREADS = 384
+
+
 def bwd_split(d: int) -> int:
     """CTAs that share a row in the backward: 2 (a thread block cluster, each CTA half of the columns) for rows
     wider than 4096 with 16-byte halves (d % 16 == 0) of at most ``MAX_HALF`` columns, else 1. Halves of up to
     4096 columns take the fused single-kernel path (``fuse_dconv(d // bwd_split(d))``: dconv_w accumulated in the
     main kernel), wider halves the dconv kernel."""
     return 2 if not fuse_dconv(d) and d % (2 * VEC) == 0 and d // 2 <= MAX_HALF else 1
-
-
-# The widest half row of the backward's cluster: the widest measured (session 38). Beyond it ``bwd_half_vecs`` gives 4
-# vectors per thread, which spill (1,124 bytes at 8192 columns on sm_90a), although the rings fit up to 10,240.
-MAX_HALF = 8192
-# The threads of a cluster CTA whose half row is wider than 4096 columns (``bwd_half_vecs``).
-HALF_THREADS = 384
 
 
 def bwd_half_vecs(dw: int) -> int:
@@ -666,8 +666,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
     vectors. ``resident_w``: the thread's columns of w_h, w_v and the conv taps are loaded into registers once, before
     the walk (H200: 0.424 -> 0.470 of copy at d=4096, 0.425 -> 0.477 at d=7168; every load on the loop's path waits
     behind the rows in flight, PERF-NOTES session 35); otherwise each stage loads its slot's weights where it uses
-    them (L1 hits), which lowers the register peak (on sm_100a the resident weights spill). ``ahead=False`` issues stage A's rows and statistics
-    where it uses them (8 registers fewer per vector, still one round trip per iteration).
+    them (L1 hits), which lowers the register peak (on sm_100a the resident weights spill). ``ahead=False`` issues
+    stage A's rows and statistics where it uses them (8 registers fewer per vector, still one round trip per
+    iteration).
 
     Each element takes few instructions (every rounding, product and sum has the operands and order of the
     per-element formulas): ``bwd_elementwise``'s widening, pair rounding of n, the gated fast reciprocal (or with
