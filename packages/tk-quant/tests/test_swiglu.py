@@ -462,6 +462,9 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
          min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
          short_exp=True, load_order="early"),
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
+         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
+         short_exp=True, load_order="early", int_counts=True),  # the sweep's integer counts
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          min_blocks=10, pair_scales=True, load_order="early_if_pe"),  # a tail span (1280 = 2.5 spans of 512)
     dict(in_dtype="bfloat16", hidden=1152, group=64, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,

@@ -265,6 +265,21 @@ __device__ __forceinline__ void tk_clamp_count2_lt(unsigned* acc, const void* g,
   asm("add.rn.bf16x2 %0, %1, %2;" : "=r"(acc[2]) : "r"(acc[2]), "r"(m));
 }
 """
+# The same three counts from integer masks (``set.u32.bf16x2``: 0xFFFF in each true half) subtracted from 32-bit
+# words, which ptxas adds two per IADD3: a word holds L + 2**16 (H - L) for the counts L / H of its low / high
+# halves.
+_CLAMP_COUNT_INT = r"""
+__device__ __forceinline__ void tk_clamp_count2_int(unsigned* acc, const void* g, const void* u, unsigned c2) {
+  const unsigned gw = *reinterpret_cast<const unsigned*>(g), uw = *reinterpret_cast<const unsigned*>(u);
+  unsigned mg, mu, ml;
+  asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(mg) : "r"(gw), "r"(c2));
+  asm("set.gt.u32.bf16x2 %0, %1, %2;" : "=r"(mu) : "r"(uw), "r"(c2));
+  asm("set.lt.u32.bf16x2 %0, %1, %2;" : "=r"(ml) : "r"(uw), "r"(c2 ^ 0x80008000u));
+  acc[0] -= mg;
+  acc[1] -= mu;
+  acc[2] -= ml;
+}
+"""
 
 
 def _act(g, u, w, weighted: bool, fast: bool, short: bool = False, short_exp: bool = False):
@@ -318,6 +333,7 @@ def swiglu_fwd_token_kernel(
     short_div: bool = False,
     short_exp: bool = False,
     load_order: str = "row",
+    int_counts: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -331,8 +347,10 @@ def swiglu_fwd_token_kernel(
     inputs (one span per warp), else predicate adds; ``#{u < -c}`` is ``#{|u| > c} - #{u > c}`` either way.
     ``pack_counts``: the three counts and the row flag of a lane go into one int32 (10-bit fields: a warp counts at
     most 32 * 16 elements of its span), so the warp reduction is one xor-shuffle chain instead of four, and the bf16
-    counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``). ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan"
-    and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw words before the clamp).
+    counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``); ``int_counts`` (with it) takes the three
+    counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``clamp_impl``:
+    see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw
+    words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
     without a clamp or with the "bf16" clamp), the fast chunks divide by ``tk_div_silu_bf16`` (launchers: on
     ``tk_core.ptx.DIV_SILU_BF16_ARCHS``); ``short_exp``: and take ``1 + exp(-g)`` from ``tk_one_plus_exp_neg_bf16``
@@ -369,6 +387,8 @@ def swiglu_fwd_token_kernel(
     b = group // VEC // 2  # partner-lane bit within a group
     packed_cnt = count and split and in_dtype == "bfloat16"  # at most 64 elements per lane: bf16-exact counts
     lt_cnt = packed_cnt and pack_counts
+    int_cnt = lt_cnt and int_counts
+    count_fn = "tk_clamp_count2_int" if int_cnt else ("tk_clamp_count2_lt" if lt_cnt else "tk_clamp_count2")
     pack = pack_counts and count and split and 32 * UC * VEC < 1024
     free = clamp_on and (packed_cnt or not count)  # no clamp predicate needed
     use_nan = free and clamp_impl == "nan"
@@ -381,6 +401,7 @@ def swiglu_fwd_token_kernel(
         (DIV_FAST if fast_div else "")
         + (EXP_SILU_BF16 if sexp else "")
         + (_CLAMP_COUNT if packed_cnt else "")
+        + (_CLAMP_COUNT_INT if int_cnt else "")
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if words else "")
@@ -498,7 +519,7 @@ def swiglu_fwd_token_kernel(
                                     T.evaluate(
                                         T.call_extern(
                                             "handle",
-                                            "tk_clamp_count2_lt" if lt_cnt else "tk_clamp_count2",
+                                            count_fn,
                                             T.address_of(cb[0]),
                                             T.address_of(xg[c, 2 * k]),
                                             T.address_of(xu[c, 2 * k]),
@@ -609,12 +630,17 @@ def swiglu_fwd_token_kernel(
             if count:
                 if packed_cnt:
                     if st[0] == 1:
-                        for k in T.unroll(3):  # bf16 1.0 = 0x3F80; the sum of both halves (exact small integers)
-                            cnt[k] = T.cast(
-                                T.reinterpret(T.shift_left(cb[k], 16), "float32")
-                                + T.reinterpret(T.bitwise_and(cb[k], T.uint32(0xFFFF0000)), "float32"),
-                                "int32",
-                            )
+                        for k in T.unroll(3):
+                            if int_cnt:
+                                # A = L + 2**16 (H - L) for L / H counts of the low / high halves (< 2**15)
+                                lo = T.cast(T.bitwise_and(cb[k], T.uint32(0xFFFF)), "int32")
+                                cnt[k] = 2 * lo + T.shift_right(T.reinterpret(cb[k], "int32") - lo, 16)
+                            else:  # bf16 1.0 = 0x3F80; the sum of both halves (exact small integers)
+                                cnt[k] = T.cast(
+                                    T.reinterpret(T.shift_left(cb[k], 16), "float32")
+                                    + T.reinterpret(T.bitwise_and(cb[k], T.uint32(0xFFFF0000)), "float32"),
+                                    "int32",
+                                )
                 if not lt_cnt:
                     cnt[2] = cnt[2] - cnt[1]  # #{|u| > c} - #{u > c} = #{u < -c}
                 if pack:
