@@ -266,8 +266,8 @@ __device__ __forceinline__ void tk_clamp_count2_lt(unsigned* acc, const void* g,
 }
 """
 # The same three counts from integer masks (``set.u32.bf16x2``: 0xFFFF in each true half) subtracted from 32-bit
-# words, which ptxas adds two per IADD3: a word holds L + 2**16 (H - L) for the counts L / H of its low / high
-# halves.
+# words, which ptxas adds two per IADD3: a word holds n_lo + 2**16 (n_hi - n_lo) for the counts n_lo / n_hi of its
+# low / high halves.
 _CLAMP_COUNT_INT = r"""
 __device__ __forceinline__ void tk_clamp_count2_int(unsigned* acc, const void* g, const void* u, unsigned c2) {
   const unsigned gw = *reinterpret_cast<const unsigned*>(g), uw = *reinterpret_cast<const unsigned*>(u);
@@ -632,7 +632,7 @@ def swiglu_fwd_token_kernel(
                     if st[0] == 1:
                         for k in T.unroll(3):
                             if int_cnt:
-                                # A = L + 2**16 (H - L) for L / H counts of the low / high halves (< 2**15)
+                                # cb = n_lo + 2**16 (n_hi - n_lo) for the counts of the low / high halves (< 2**15)
                                 lo = T.cast(T.bitwise_and(cb[k], T.uint32(0xFFFF)), "int32")
                                 cnt[k] = 2 * lo + T.shift_right(T.reinterpret(cb[k], "int32") - lo, 16)
                             else:  # bf16 1.0 = 0x3F80; the sum of both halves (exact small integers)
