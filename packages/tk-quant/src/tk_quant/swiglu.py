@@ -400,8 +400,7 @@ def swiglu_fwd_token_kernel(
     prelude = (
         (DIV_FAST if fast_div else "")
         + (EXP_SILU_BF16 if sexp else "")
-        + (_CLAMP_COUNT if packed_cnt else "")
-        + (_CLAMP_COUNT_INT if int_cnt else "")
+        + ((_CLAMP_COUNT_INT if int_cnt else _CLAMP_COUNT) if packed_cnt else "")
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if words else "")
