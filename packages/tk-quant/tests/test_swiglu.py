@@ -104,6 +104,30 @@ def test_swiglu_forward_clamp_weights_counts():
     assert_equal(R.swiglu_forward(x, torch.tensor([-1], dtype=torch.int32), w), R.swiglu_forward(x) * 0.0)
 
 
+@pytest.mark.parametrize("fmt_max", [448.0, 6.0, 57344.0])
+def test_pow2_scale_constants_give_the_rounded_scale_rule(fmt_max):
+    """The kernels' scale rule from the amax's bits (``int_scale``) against the division of ``compute_scales``:
+    every exponent of the range, each with the significands around ``fmt_max``'s (where ``k`` steps) and random
+    ones."""
+    p, round_up, lo = S.pow2_scale_constants(fmt_max)
+    mant_f = 0x7FFFFF - round_up
+    g = torch.Generator().manual_seed(42)
+    mants = torch.cat([
+        torch.tensor([0, 1, mant_f - 1, mant_f, mant_f + 1, 0x7FFFFE, 0x7FFFFF]).clamp(0, 0x7FFFFF),
+        torch.randint(0, 1 << 23, (64,), generator=g),
+    ])
+    exps = torch.arange(lo >> 23, 255)
+    bits = ((exps[:, None] << 23) | mants[None, :]).flatten()
+    bits = bits[bits >= lo].to(torch.int32)
+    a = bits.view(torch.float32)
+    sf, sf_inv = compute_scales(a, fmt_max, 0.0, round_sf=True)
+    t = (bits.long() + round_up) >> 23
+    assert torch.equal(sf.view(torch.int32).long(), (t - p) << 23)
+    assert torch.equal(sf_inv.view(torch.int32).long(), (254 + p - t) << 23)
+    with pytest.raises(ValueError, match="pow2_scale_constants: fmt_max must be at least 4"):
+        S.pow2_scale_constants(2.0)
+
+
 def test_wgrad_dot_order_and_value():
     grad = torch.randn(5, 1280)
     act = torch.randn(5, 1280)
@@ -465,6 +489,13 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
          min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
          short_exp=True, load_order="early", int_counts=True),  # the sweep's integer counts
+    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
+         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
+         short_exp=True, load_order="early", int_counts=True, int_scale=True, sf_index32=True),  # the sweep's "lean"
+    dict(in_dtype="bfloat16", hidden=1280, group=128, layout="col", round_sf=True, clamp_mode="none", chunks=1,
+         min_blocks=10, pair_scales=True, int_scale=True),  # the scale rule from the bits without pairing
+    dict(in_dtype="bfloat16", hidden=3584, group=3584, layout="row", round_sf=True, clamp_mode="clamp",
+         int_scale=True),  # and in the one-scale-per-row mode
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          min_blocks=10, pair_scales=True, load_order="early_if_pe"),  # a tail span (1280 = 2.5 spans of 512)
     dict(in_dtype="bfloat16", hidden=1152, group=64, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,

@@ -60,6 +60,7 @@ min/max on the loaded bf16 pairs when the clamp value is a bf16 value, else on t
 """
 
 import math
+import struct
 
 import tilelang.language as T
 import torch
@@ -224,9 +225,45 @@ def _scale_rule(amax, clamp_min, fmt_max: float, round_sf: bool):
     """``_tl.scale_rule`` with the branch-free ``_pow2``."""
     if not round_sf:
         return _tl.scale_rule(amax, clamp_min, fmt_max, round_sf)
-    s0 = T.max(amax, clamp_min) / T.float32(fmt_max)
+    return _pow2_scales(T.max(amax, clamp_min), fmt_max)
+
+
+def _pow2_scales(a, fmt_max: float):
+    """``(sf, sf_inv)`` of the rounded scale rule for the floored amax ``a``: ``sf = 2**k``, ``k`` the exponent of
+    ``RN(a / fmt_max)`` rounded up."""
+    s0 = a / T.float32(fmt_max)
     k = T.shift_right(T.reinterpret(s0, "int32") - 1, 23) - 126
     return _pow2(k), _pow2(-k)
+
+
+def pow2_scale_constants(fmt_max: float) -> tuple[int, int, int]:
+    """``(p, round_up, lo_bits)`` of ``_pow2_scales_from_bits`` for ``fmt_max = F * 2**p`` (``F`` in [1, 2),
+    ``p >= 2``): ``k = ((bits(a) + round_up) >> 23) - 127 - p`` for ``bits(a)`` in [``lo_bits``, ``0x7F800000``)."""
+    fmt_bits = struct.unpack("<I", struct.pack("<f", fmt_max))[0]
+    p = (fmt_bits >> 23) - 127
+    if p < 2:  # then k could reach 127 and 2**-k leave the normal range
+        raise ValueError(f"pow2_scale_constants: fmt_max must be at least 4, got {fmt_max}")
+    return p, 0x7FFFFF - (fmt_bits & 0x7FFFFF), struct.unpack("<I", struct.pack("<f", fmt_max * 2.0**-125))[0]
+
+
+def _pow2_scales_from_bits(a, fmt_max: float):
+    """``(in_range, sf, sf_inv)``: ``_pow2_scales(a, fmt_max)`` from the bits of ``a`` alone, without the division,
+    for ``a`` in [``fmt_max * 2**-125``, inf) (``in_range``; other ``a`` need ``_pow2_scales``). With
+    ``fmt_max = F * 2**p`` and ``a = M * 2**e`` (``F``, ``M`` in [1, 2)): ``RN(a / fmt_max) <= 2**j`` exactly when
+    ``a <= fmt_max * 2**j`` (the midpoint above ``2**j`` rounds down to it, and ``fmt_max * 2**j * (1 + 2**-24)`` lies
+    below the next float after ``fmt_max * 2**j``), so ``k = e - p + (M > F)``: the exponent field of ``a``, plus
+    one when its significand field exceeds ``F``'s (``pow2_scale_constants``). In range ``RN(a / fmt_max)`` is
+    normal and finite and ``k`` lies in [-125, 126], so ``2**k`` and ``2**-k`` are bare exponent fields. Checked
+    against the division for every float32 ``a`` in range at 448 (PERF-NOTES, session 42) and on every exponent in
+    ``tests/test_swiglu.py``."""
+    p, round_up, lo = pow2_scale_constants(fmt_max)
+    bits = T.reinterpret(a, "uint32")
+    t = T.reinterpret(T.shift_right(bits + T.uint32(round_up), 23), "int32")
+    return (
+        bits - T.uint32(lo) < T.uint32(0x7F800000 - lo),
+        T.reinterpret(T.shift_left(t - p, 23), "float32"),
+        T.reinterpret(T.shift_left(254 + p - t, 23), "float32"),
+    )
 
 
 def _sf_value(layout: str, s):
@@ -334,6 +371,8 @@ def swiglu_fwd_token_kernel(
     short_exp: bool = False,
     load_order: str = "row",
     int_counts: bool = False,
+    int_scale: bool = False,
+    sf_index32: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -348,7 +387,9 @@ def swiglu_fwd_token_kernel(
     ``pack_counts``: the three counts and the row flag of a lane go into one int32 (10-bit fields: a warp counts at
     most 32 * 16 elements of its span), so the warp reduction is one xor-shuffle chain instead of four, and the bf16
     counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``); ``int_counts`` (with it) takes the three
-    counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``clamp_impl``:
+    counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``int_scale``
+    (``round_sf``): the scale rule from the amax's bits (``_pow2_scales_from_bits``), the division only out of its
+    range (a sweep variant, not measured yet). ``clamp_impl``:
     see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw
     words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
@@ -418,6 +459,20 @@ def swiglu_fwd_token_kernel(
     assert load_order in ("row", "early", "early_if_pe"), load_order
     early = load_order != "row" and split  # the span's loads may go before the pos_to_expert test
 
+    iscale = int_scale and round_sf
+
+    @T.macro
+    def scale_rule_into(dst, a):
+        """``dst[0], dst[1] = _pow2_scales(a)`` for the floored amax ``a``, from its bits where they suffice."""
+        in_range, s_bits, si_bits = _pow2_scales_from_bits(a, E4M3_MAX)
+        if in_range:
+            dst[0] = s_bits
+            dst[1] = si_bits
+        else:
+            s, si = _pow2_scales(a, E4M3_MAX)
+            dst[0] = s
+            dst[1] = si
+
     @T.macro
     def load_span(x, xg, xu, row, it, lane):
         """The gate and up halves of span ``it`` of ``row`` (zeros past ``H``)."""
@@ -466,8 +521,9 @@ def swiglu_fwd_token_kernel(
             st = T.alloc_local((1,), "int32")
             cnt = T.alloc_local((4,), "int32")
             red = T.alloc_shared((warps, 4), "int32")
-            sp = T.alloc_local((3,), "float32")  # pair: own sf, own sf_inv, the partner's sf_inv
+            sp = T.alloc_local((3,), "float32")  # pair: own sf, own sf_inv, the partner's sf_inv; int_scale: sf, sf_inv
             sq = T.alloc_local((2,), "float32")  # pair: the two chunks' sf_inv
+            so = T.alloc_local((1,), "int32")  # sf_index32: the scale's offset
             gs = T.alloc_local((VEC,), "float32")  # fast_div: the chunk's clamped g and u
             us = T.alloc_local((VEC,), "float32")
             dm = T.alloc_local((1,), "uint32")
@@ -571,11 +627,14 @@ def swiglu_fwd_token_kernel(
                                     am[c] = T.max(am[c], T.shfl_xor(am[c], off))
                                 if pair and c % 2 == 1:
                                     hi = T.bitwise_and(lane, b) != 0
-                                    s, si = _scale_rule(
-                                        T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
-                                    )
-                                    sp[0] = s
-                                    sp[1] = si
+                                    if iscale:
+                                        scale_rule_into(sp, T.max(T.if_then_else(hi, am[c], am[c - 1]), clamp_min))
+                                    else:
+                                        s, si = _scale_rule(
+                                            T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
+                                        )
+                                        sp[0] = s
+                                        sp[1] = si
                                     sp[2] = T.shfl_xor(sp[1], b)
                                     sq[0] = T.if_then_else(hi, sp[2], sp[1])  # chunk c-1's sf_inv
                                     sq[1] = T.if_then_else(hi, sp[1], sp[2])  # chunk c's
@@ -588,9 +647,19 @@ def swiglu_fwd_token_kernel(
                                     col_s = it * span + (c - 1) * (32 * VEC) + (lane - T.bitwise_and(lane, b)) * VEC
                                     col_s = T.if_then_else(hi, col_s + 32 * VEC, col_s)
                                     if T.truncmod(lane, b) == 0 and in_range(col_s):
-                                        sf[_tl.sf_offset(layout, row, col_s // group, E, nk)] = _sf_value(layout, sp[0])
+                                        if sf_index32:
+                                            so[0] = _tl.sf_offset(layout, row, col_s // group, E, nk)
+                                            sf[so[0]] = _sf_value(layout, sp[0])
+                                        else:
+                                            sf[_tl.sf_offset(layout, row, col_s // group, E, nk)] = _sf_value(
+                                                layout, sp[0]
+                                            )
                                 elif not pair or c == UC - 1:
-                                    s, si = _scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                    if iscale:
+                                        scale_rule_into(sp, T.max(am[c], clamp_min))
+                                        s, si = sp[0], sp[1]
+                                    else:
+                                        s, si = _scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
                                     if in_range(col):
                                         for i in T.vectorized(VEC):
                                             out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
@@ -598,7 +667,11 @@ def swiglu_fwd_token_kernel(
                                             sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
                         if row_mode:
                             if ph == 1:
-                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                if iscale:
+                                    scale_rule_into(sp, T.max(rm[0], clamp_min))
+                                    s, si = sp[0], sp[1]
+                                else:
+                                    s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 for c in T.unroll(UC):
                                     col = it * span + c * (32 * VEC) + lane * VEC
                                     if in_range(col):
@@ -609,7 +682,11 @@ def swiglu_fwd_token_kernel(
                             for off in offsets:
                                 rm[0] = T.max(rm[0], T.shfl_xor(rm[0], off))
                             if lane == 0:
-                                s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                if iscale:
+                                    scale_rule_into(sp, T.max(rm[0], clamp_min))
+                                    s = sp[0]
+                                else:
+                                    s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
                                 sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
             if st[0] == 2:
                 for j in T.serial(iters // wpr):
