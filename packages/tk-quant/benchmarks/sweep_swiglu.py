@@ -61,11 +61,12 @@ VARIANTS = {
             # 1,264 static SASS, 56 registers, no spill)
             "intcnt": dict(int_counts=True),
             # the scale rule from the amax's bits (_pow2_scales_from_bits: no division in range; sm_90a static SASS
-            # of the count kernel 1,272 -> 1,280, ~27 instructions fewer per warp on the path taken), with the
-            # scale's offset in int32 (1,264), and both with the integer counts
+            # of the count kernel 1,272 -> 1,280, ~24 instructions fewer per warp on the path taken); the warp's
+            # packed counts by one redux.sync (1,224: no divergent-shuffle fallback); "lean": both with the integer
+            # counts and the scale's offset in int32 (1,224; ~57 of ~620 instructions per warp fewer on the path taken)
             "iscale": dict(int_scale=True),
-            "iscale32": dict(int_scale=True, sf_index32=True),
-            "lean": dict(int_scale=True, sf_index32=True, int_counts=True),
+            "redux": dict(redux_counts=True),
+            "lean": dict(int_scale=True, sf_index32=True, int_counts=True, redux_counts=True),
         },
     ),
     "fwd_channel": (

@@ -373,6 +373,7 @@ def swiglu_fwd_token_kernel(
     int_counts: bool = False,
     int_scale: bool = False,
     sf_index32: bool = False,
+    redux_counts: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -389,9 +390,10 @@ def swiglu_fwd_token_kernel(
     counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``); ``int_counts`` (with it) takes the three
     counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``int_scale``
     (``round_sf``): the scale rule from the amax's bits (``_pow2_scales_from_bits``), the division only out of its
-    range (a sweep variant, not measured yet). ``clamp_impl``:
-    see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16 counting reads the raw
-    words before the clamp).
+    range; ``sf_index32``: the scale's offset of the paired chunks in int32; ``redux_counts`` (with
+    ``pack_counts``): the warp's packed counts summed by one ``redux.sync`` (sweep variants, not measured yet).
+    ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16
+    counting reads the raw words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
     without a clamp or with the "bf16" clamp), the fast chunks divide by ``tk_div_silu_bf16`` (launchers: on
     ``tk_core.ptx.DIV_SILU_BF16_ARCHS``); ``short_exp``: and take ``1 + exp(-g)`` from ``tk_one_plus_exp_neg_bf16``
@@ -721,8 +723,11 @@ def swiglu_fwd_token_kernel(
                     cnt[2] = cnt[2] - cnt[1]  # #{|u| > c} - #{u > c} = #{u < -c}
                 if pack:
                     cnt[0] = cnt[0] + T.shift_left(cnt[1], 10) + T.shift_left(cnt[2], 20) + T.shift_left(cnt[3], 30)
-                    for off in (16, 8, 4, 2, 1):
-                        cnt[0] += T.shfl_xor(cnt[0], off)
+                    if redux_counts:  # one redux.sync instead of five shuffles and adds
+                        cnt[0] = T.call_extern("int32", "__reduce_add_sync", T.uint32(0xFFFFFFFF), cnt[0])
+                    else:
+                        for off in (16, 8, 4, 2, 1):
+                            cnt[0] += T.shfl_xor(cnt[0], off)
                     if lane == 0:
                         red[tx // 32, 0] = cnt[0]
                 else:
