@@ -62,11 +62,13 @@ VARIANTS = {
             "intcnt": dict(int_counts=True),
             # the scale rule from the amax's bits (_pow2_scales_from_bits: no division in range; sm_90a static SASS
             # of the count kernel 1,272 -> 1,280, ~24 instructions fewer per warp on the path taken); the warp's
-            # packed counts by one redux.sync (1,224: no divergent-shuffle fallback); "lean": both with the integer
-            # counts and the scale's offset in int32 (1,224; ~57 of ~620 instructions per warp fewer on the path taken)
+            # packed counts by one redux.sync (1,224: no divergent-shuffle fallback); the fast division's gate on the
+            # loaded bf16 pairs (1,264); "lean": all of them with the integer counts and the scale's offset in int32
+            # (1,208; ~70 of ~613 instructions per warp fewer on the path taken)
             "iscale": dict(int_scale=True),
             "redux": dict(redux_counts=True),
-            "lean": dict(int_scale=True, sf_index32=True, int_counts=True, redux_counts=True),
+            "bkeys": dict(bf16_keys=True),
+            "lean": dict(int_scale=True, sf_index32=True, int_counts=True, redux_counts=True, bf16_keys=True),
         },
     ),
     "fwd_channel": (

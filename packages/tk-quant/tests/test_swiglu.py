@@ -492,9 +492,10 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
          min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
          short_exp=True, load_order="early", int_counts=True, int_scale=True, sf_index32=True,
-         redux_counts=True),  # the sweep's "lean"
+         redux_counts=True, bf16_keys=True),  # the sweep's "lean"
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="col", round_sf=True, clamp_mode="none", chunks=1,
-         min_blocks=10, pair_scales=True, int_scale=True),  # the scale rule from the bits without pairing
+         min_blocks=10, pair_scales=True, int_scale=True, short_div=True, short_exp=True,
+         bf16_keys=True),  # the scale rule from the bits without pairing, the bf16 gate without a clamp
     dict(in_dtype="bfloat16", hidden=3584, group=3584, layout="row", round_sf=True, clamp_mode="clamp",
          int_scale=True),  # and in the one-scale-per-row mode
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,

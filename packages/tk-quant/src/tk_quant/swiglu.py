@@ -75,6 +75,7 @@ from tk_core.ptx import (
     DIV_SILU_BF16_ARCHS,
     EXP_SILU_BF16,
     EXP_SILU_BF16_LO,
+    FAST_DIV_HI,
     FAST_DIV_LO,
     RCP_FAST,
     div_fast,
@@ -319,6 +320,27 @@ __device__ __forceinline__ void tk_clamp_count2_int(unsigned* acc, const void* g
 """
 
 
+# The fast division's gate on a chunk of 8 bf16 gates (4 loaded words) where g is a bf16 value: every |g| in
+# [lo, hi] (the bounds as bf16 pairs ``lo2``, ``hi2``; NaN fails). The absolute values' maximum and minimum by
+# max.NaN / min.NaN on the pairs (ptxas merges two into one 3-input VHMNMX), then one compare per bound: ~12
+# instructions per chunk against ~18 for the float32 keys (``fast_div_key`` per element).
+_GATE_RANGE_BF16 = r"""
+__device__ __forceinline__ unsigned tk_bf16x8_in_range(const void* g, unsigned lo2, unsigned hi2) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(g);
+  unsigned mx = w[0] & 0x7fff7fffu, mn = mx, le, ge;
+#pragma unroll
+  for (int i = 1; i < 4; ++i) {
+    const unsigned a = w[i] & 0x7fff7fffu;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(mx) : "r"(mx), "r"(a));
+    asm("min.NaN.bf16x2 %0, %1, %2;" : "=r"(mn) : "r"(mn), "r"(a));
+  }
+  asm("set.le.u32.bf16x2 %0, %1, %2;" : "=r"(le) : "r"(mx), "r"(hi2));
+  asm("set.ge.u32.bf16x2 %0, %1, %2;" : "=r"(ge) : "r"(mn), "r"(lo2));
+  return (le & ge) == 0xffffffffu;
+}
+"""
+
+
 def _act(g, u, w, weighted: bool, fast: bool, short: bool = False, short_exp: bool = False):
     """``g / (1 + exp(-g)) * u`` (times ``w`` if ``weighted``), with the division of ``tk_div_fast`` if ``fast``
     (``tk_div_silu_bf16`` if also ``short``, and ``1 + exp(-g)`` by ``tk_one_plus_exp_neg_bf16`` if also
@@ -374,6 +396,7 @@ def swiglu_fwd_token_kernel(
     int_scale: bool = False,
     sf_index32: bool = False,
     redux_counts: bool = False,
+    bf16_keys: bool = False,
 ):
     """One warp per (row, ``chunks`` x 256-column span) when the groups fit in a chunk (no per-row wave tail,
     all loads independent and issued before the math); one warp per row, two passes, ``U`` chunks per span,
@@ -391,7 +414,8 @@ def swiglu_fwd_token_kernel(
     counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``int_scale``
     (``round_sf``): the scale rule from the amax's bits (``_pow2_scales_from_bits``), the division only out of its
     range; ``sf_index32``: the scale's offset of the paired chunks in int32; ``redux_counts`` (with
-    ``pack_counts``): the warp's packed counts summed by one ``redux.sync`` (sweep variants, not measured yet).
+    ``pack_counts``): the warp's packed counts summed by one ``redux.sync``; ``bf16_keys`` (where g is a bf16
+    value): the fast division's gate on the loaded pairs (``_GATE_RANGE_BF16``) (sweep variants, not measured yet).
     ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16
     counting reads the raw words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
@@ -440,6 +464,8 @@ def swiglu_fwd_token_kernel(
     short = short_div and fast_div and in_dtype == "bfloat16" and (not clamp_on or use_b16)  # g is a bf16 value
     sexp = short and short_exp
     key_lo = EXP_SILU_BF16_LO if sexp else FAST_DIV_LO
+    bkeys = bf16_keys and short and VEC == 8
+    gate_lo2, gate_hi2 = ((key_lo >> 16) * 0x10001, (FAST_DIV_HI >> 16) * 0x10001)  # the bounds as bf16 pairs
     prelude = (
         (DIV_FAST if fast_div else "")
         + (EXP_SILU_BF16 if sexp else "")
@@ -447,6 +473,7 @@ def swiglu_fwd_token_kernel(
         + (NAN_CLAMP if use_nan else "")
         + (NAN_CLAMP_BF16 if use_b16 else "")
         + (BF16_WORDS if words else "")
+        + (_GATE_RANGE_BF16 if bkeys else "")
     ) or None
 
     def in_range(col):
@@ -593,6 +620,11 @@ def swiglu_fwd_token_kernel(
                             col = it * span + c * (32 * VEC) + lane * VEC
                             am[c] = T.float32(0)
                             dm[0] = T.uint32(0)
+                            if bkeys:
+                                dm[0] = T.call_extern(
+                                    "uint32", "tk_bf16x8_in_range", T.address_of(xg[c, 0]), T.uint32(gate_lo2),
+                                    T.uint32(gate_hi2)
+                                )
                             for i in T.unroll(VEC, explicit=words):
                                 g0 = _widen(xg, c, i, words)
                                 u0 = _widen(xu, c, i, words)
@@ -610,11 +642,12 @@ def swiglu_fwd_token_kernel(
                                 if fast_div:
                                     gs[i] = g1
                                     us[i] = u1
-                                    dm[0] = T.max(dm[0], fast_div_key(g1, key_lo))
+                                    if not bkeys:
+                                        dm[0] = T.max(dm[0], fast_div_key(g1, key_lo))
                                 else:
                                     v[c, i] = _act(g1, u1, wv[0], weighted, False)
                             if fast_div:
-                                if fast_div_ok(dm[0], key_lo):
+                                if (dm[0] != T.uint32(0)) if bkeys else fast_div_ok(dm[0], key_lo):
                                     for i in T.unroll(VEC):
                                         v[c, i] = _act(gs[i], us[i], wv[0], weighted, True, short, sexp)
                                 else:
