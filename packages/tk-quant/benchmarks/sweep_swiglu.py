@@ -69,6 +69,11 @@ VARIANTS = {
             "redux": dict(redux_counts=True),
             "bkeys": dict(bf16_keys=True),
             "lean": dict(int_scale=True, sf_index32=True, int_counts=True, redux_counts=True, bf16_keys=True),
+            # lean at 10 CTAs per SM: the count kernel then takes 48 registers without a spill (the default spills
+            # 12 bytes there)
+            "lean10": dict(
+                int_scale=True, sf_index32=True, int_counts=True, redux_counts=True, bf16_keys=True, min_blocks=10
+            ),
         },
     ),
     "fwd_channel": (
