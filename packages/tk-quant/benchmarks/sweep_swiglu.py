@@ -30,7 +30,8 @@ from tk_quant import swiglu as S
 # the default is 2 chunks per warp at 10 CTAs per SM (48 registers), one scale rule per two chunks,
 # ``tk_div_fast``, the bf16 clamp counting (``#{u < -c}`` counted directly) with one packed warp reduction, the
 # clamp as min.NaN/max.NaN on the loaded bf16 pairs ("bf16", for a clamp value that is a bf16 value, as 0.5) and
-# bf16 widened from the loaded words; s3base: session 3's default (four count reductions, compare-and-select
+# bf16 widened from the loaded words, and the lean parameters (integer counts, the scale rule from the amax's bits,
+# int32 scale offsets, redux counts, the bf16 division gate; session 42); s3base: session 3's default (four count reductions, compare-and-select
 # clamp, widening by the bf16 conversion); nowords: the default with the bf16 conversion; nan: the min.NaN clamp on
 # the widened float32 values. Per-channel: the default has the "bf16" clamp, the word widening and the amax over
 # the float32 activations; s3base: session 3's clamp and widening (the amax over the float32 activations, which
@@ -49,30 +50,18 @@ VARIANTS = {
             "row": dict(load_order="row"),  # with pos_to_expert too, the loads after the row's pos_to_expert test
             "early": dict(load_order="early"),  # with pos_to_expert, every kernel loads before that test
             "early_if_pe": dict(load_order="early_if_pe"),
-            # CTAs per SM (the default: 10, the count kernel 9; ``fwd_token_min_blocks``). The count kernel spills
-            # 12 bytes at 10 (48 registers) and none at 9 (56) or 8 (64). Session 37 (H100, sweep_swiglu_s37.log):
-            # with counts 9 +1.6 / +0.7 % over 10 (pe T / F), 8 -0.5 / -0.9 %; run 2 (A B B A) 9 +0.8 / 0 %;
-            # without counts all three equal
-            "mb10": dict(min_blocks=10),
+            # CTAs per SM (the default: 10, the weighted count kernel 9; ``fwd_token_min_blocks``). Session 37
+            # (H100, sweep_swiglu_s37.log), the count kernel before the lean parameters (12 bytes of spill at 10):
+            # 9 +0.8-1.6 % over 10 with pos_to_expert, 8 slower; without counts all three equal
             "mb9": dict(min_blocks=9),
             "mb8": dict(min_blocks=8),
-            # the clamp counts as integer masks (set.u32.bf16x2: 0xFFFF per true half) subtracted from 32-bit
-            # accumulators, two masks per IADD3, against the default's one add.rn.bf16x2 per mask (sm_90a: 1,272 ->
-            # 1,264 static SASS, 56 registers, no spill)
-            "intcnt": dict(int_counts=True),
-            # the scale rule from the amax's bits (_pow2_scales_from_bits: no division in range; sm_90a static SASS
-            # of the count kernel 1,272 -> 1,280, ~24 instructions fewer per warp on the path taken); the warp's
-            # packed counts by one redux.sync (1,224: no divergent-shuffle fallback); the fast division's gate on the
-            # loaded bf16 pairs (1,264); "lean": all of them with the integer counts and the scale's offset in int32
-            # (1,208; ~70 of ~613 instructions per warp fewer on the path taken)
-            "iscale": dict(int_scale=True),
-            "redux": dict(redux_counts=True),
-            "bkeys": dict(bf16_keys=True),
-            "lean": dict(int_scale=True, sf_index32=True, int_counts=True, redux_counts=True, bf16_keys=True),
-            # lean at 10 CTAs per SM: the count kernel then takes 48 registers without a spill (the default spills
-            # 12 bytes there)
-            "lean10": dict(
-                int_scale=True, sf_index32=True, int_counts=True, redux_counts=True, bf16_keys=True, min_blocks=10
+            # session 41's kernel: without the lean parameters, at 9 CTAs per SM (the count kernel's no-spill cap
+            # then). Session 42 (H100, sweep_swiglu_s42.log; A B B A, mean of two runs): the lean parameters took the
+            # count lines 55.7 -> 54.8 us at 9 CTAs and 54.6 at 10 (+2.1 %), the others 54.2 -> 54.0; each of them
+            # alone (integer counts, scale rule, redux, bf16 gate) gave the count lines 54.6-54.7 (the H100 is near
+            # its memory floor there: the no-count diagnostic line runs at 54.0)
+            "s41": dict(
+                int_counts=False, int_scale=False, sf_index32=False, redux_counts=False, bf16_keys=False, min_blocks=9
             ),
         },
     ),

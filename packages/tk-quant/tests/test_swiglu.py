@@ -457,7 +457,7 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
          min_blocks=10, pair_scales=True, widen_words=True, short_div=True, short_exp=True,
          load_order="early_if_pe"),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, short_div=True),  # the "nan" clamp: g may be no bf16 value
+         pair_scales=True, short_div=True),  # the "nan" clamp: g may be no bf16 value
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="row", round_sf=False, clamp_mode="clamp", chunks=1,
          min_blocks=10, pair_scales=True),
     dict(in_dtype="float32", hidden=7168, group=32, layout="col", round_sf=True, clamp_mode="count", chunks=2,
@@ -474,25 +474,22 @@ FWD_VARIANTS = [  # with the launcher's chunks per warp (strict: no spills)
         chunks=5,
         pair_scales=True,
     ),
-    # the launcher's count kernels (packed count reduction, word widening; the min.NaN clamp on the float32 values
-    # or on the loaded bf16 pairs), then other clamp implementations
+    # the count kernel's earlier configurations (packed count reduction, word widening; the min.NaN clamp on the
+    # float32 values or on the loaded bf16 pairs; at ptxas's own register count: they spill 12 bytes at the
+    # launcher's 10 CTAs per SM), then the launcher's: the lean parameters at 10 CTAs per SM, weighted at 9
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="nan", widen_words=True),
+         pair_scales=True, pack_counts=True, clamp_impl="nan", widen_words=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True),
+         pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True, short_exp=True,
+         load_order="early"),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
-         short_exp=True),
+         min_blocks=10, pair_scales=True, weighted=False, pack_counts=True, clamp_impl="bf16", widen_words=True,
+         short_div=True, short_exp=True, load_order="early", int_counts=True, int_scale=True, sf_index32=True,
+         redux_counts=True, bf16_keys=True),
     dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
-         short_exp=True, load_order="early"),
-    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
-         short_exp=True, load_order="early", int_counts=True),  # the sweep's integer counts
-    dict(in_dtype="bfloat16", hidden=3584, group=128, layout="packed", round_sf=True, clamp_mode="count", chunks=2,
-         min_blocks=9, pair_scales=True, pack_counts=True, clamp_impl="bf16", widen_words=True, short_div=True,
-         short_exp=True, load_order="early", int_counts=True, int_scale=True, sf_index32=True,
-         redux_counts=True, bf16_keys=True),  # the sweep's "lean"
+         min_blocks=9, pair_scales=True, weighted=True, pack_counts=True, clamp_impl="bf16", widen_words=True,
+         short_div=True, short_exp=True, load_order="early", int_counts=True, int_scale=True, sf_index32=True,
+         redux_counts=True, bf16_keys=True),
     dict(in_dtype="bfloat16", hidden=1280, group=128, layout="col", round_sf=True, clamp_mode="none", chunks=1,
          min_blocks=10, pair_scales=True, int_scale=True, short_div=True, short_exp=True,
          bf16_keys=True),  # the scale rule from the bits without pairing, the bf16 gate without a clamp
@@ -556,7 +553,9 @@ def _bf16_gates(params: dict) -> bool:
 def test_compile_forward_per_token(arch, params):
     if "chunks" in params and params.get("min_blocks"):  # the launcher's tuning
         assert params["chunks"] == S.fwd_token_chunks(params["hidden"], params["in_dtype"])
-        assert params["min_blocks"] == S.fwd_token_min_blocks(params["in_dtype"], params["clamp_mode"])
+        assert params["min_blocks"] == S.fwd_token_min_blocks(
+            params["in_dtype"], params["clamp_mode"], params.get("weighted", True)
+        )
     src = assert_compiles(S.swiglu_fwd_token_kernel, arch, **params)
     short = params.get("short_div", False) and _bf16_gates(params)
     _common_codegen_checks(src, short, short and params.get("short_exp", False))

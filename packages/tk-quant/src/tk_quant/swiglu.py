@@ -362,14 +362,15 @@ def fwd_token_chunks(hidden: int, in_dtype: str = "bfloat16") -> int:
     return 2 if (hidden // 256) % 2 == 0 else 1
 
 
-def fwd_token_min_blocks(in_dtype: str, clamp_mode: str) -> int:
-    """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows, 9 (56)
-    with clamp counting, whose kernel spills 12 bytes at 48 (H100, two runs: 9 CTAs 0.8-1.6 % faster than 10 with
-    pos_to_expert, equal to +0.7 % without, 8 slower; PERF-NOTES session 37); float32 rows hold twice the loaded
-    registers and keep ptxas's own choice."""
+def fwd_token_min_blocks(in_dtype: str, clamp_mode: str, weighted: bool) -> int:
+    """CTAs per SM the forward per-token kernel's registers are capped for: 10 (48 registers) for bf16 rows, the
+    unweighted clamp-count kernel included since it takes the lean parameters (48 registers without a spill, +2.1 %
+    on the H100 over 9: PERF-NOTES session 42); 9 (56) for the weighted count kernel, which spills 8 bytes at 48 on
+    sm_90a (the count kernel before the lean parameters spilled 12 there, and 9 measured 0.8-1.6 % faster than 10:
+    session 37); float32 rows hold twice the loaded registers and keep ptxas's own choice."""
     if in_dtype != "bfloat16":
         return 1
-    return 9 if clamp_mode == "count" else 10
+    return 9 if clamp_mode == "count" and weighted else 10
 
 
 @kernel(pass_configs=_PASS_CONFIGS)
@@ -411,11 +412,13 @@ def swiglu_fwd_token_kernel(
     ``pack_counts``: the three counts and the row flag of a lane go into one int32 (10-bit fields: a warp counts at
     most 32 * 16 elements of its span), so the warp reduction is one xor-shuffle chain instead of four, and the bf16
     counting takes ``#{u < -c}`` directly (``tk_clamp_count2_lt``); ``int_counts`` (with it) takes the three
-    counts as integer masks, two per add (``_CLAMP_COUNT_INT``; a sweep variant, not measured yet). ``int_scale``
-    (``round_sf``): the scale rule from the amax's bits (``_pow2_scales_from_bits``), the division only out of its
-    range; ``sf_index32``: the scale's offset of the paired chunks in int32; ``redux_counts`` (with
-    ``pack_counts``): the warp's packed counts summed by one ``redux.sync``; ``bf16_keys`` (where g is a bf16
-    value): the fast division's gate on the loaded pairs (``_GATE_RANGE_BF16``) (sweep variants, not measured yet).
+    counts as integer masks, two per add (``_CLAMP_COUNT_INT``). ``int_scale`` (``round_sf``): the scale rule from
+    the amax's bits (``_pow2_scales_from_bits``), the division only out of its range; ``sf_index32``: the scale's
+    offset of the paired chunks in int32 (the launcher: where the scale storage has fewer than 2**31 elements);
+    ``redux_counts`` (with ``pack_counts``): the warp's packed counts summed by one ``redux.sync``; ``bf16_keys``
+    (where g is a bf16 value): the fast division's gate on the loaded pairs (``_GATE_RANGE_BF16``). The launcher
+    takes all five (~613 -> ~543 instructions per warp of the count kernel on the path taken; H100: the count lines
+    +2.1 % with 10 CTAs per SM, the others +0.3 %; PERF-NOTES session 42).
     ``clamp_impl``: see ``NAN_CLAMP_BF16`` ("nan" and "bf16" only where no clamp predicate is needed: the bf16
     counting reads the raw words before the clamp).
     ``widen_words``: bf16 inputs widened through ``BF16_WORDS``. ``short_div``: where g is a bf16 value (bf16 inputs
@@ -1212,7 +1215,7 @@ def swiglu_forward_and_per_token_cast_(
         round_sf=round_sf,
         clamp_mode=mode,
         chunks=fwd_token_chunks(h, _IN_DTYPES[x.dtype]),
-        min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype], mode),
+        min_blocks=fwd_token_min_blocks(_IN_DTYPES[x.dtype], mode, topk_weights is not None),
         pair_scales=True,
         weighted=topk_weights is not None,
         pack_counts=True,
@@ -1221,6 +1224,11 @@ def swiglu_forward_and_per_token_cast_(
         short_div=arch_of(x.device) in DIV_SILU_BF16_ARCHS,
         short_exp=True,
         load_order="row" if pos_to_expert is None else ("early" if mode == "count" else "early_if_pe"),
+        int_counts=True,
+        int_scale=True,
+        sf_index32=sf_flat.numel() < 2**31,
+        redux_counts=True,
+        bf16_keys=True,
     )
     # absent optional tensors: scratch (a view of x would pass its element count, which can exceed int32, for a
     # length the kernel never reads)
