@@ -57,9 +57,8 @@ VARIANTS = {
             "mb8": dict(min_blocks=8),
             # session 41's kernel: without the lean parameters, at 9 CTAs per SM (the count kernel's no-spill cap
             # then). Session 42 (H100, sweep_swiglu_s42.log; A B B A, mean of two runs): the lean parameters took the
-            # count lines 55.7 -> 54.8 us at 9 CTAs and 54.6 at 10 (+2.1 %), the others 54.2 -> 54.0; each of them
-            # alone (integer counts, scale rule, redux, bf16 gate) gave the count lines 54.6-54.7 (the H100 is near
-            # its memory floor there: the no-count diagnostic line runs at 54.0)
+            # count lines 55.7 -> 54.8 us at 9 CTAs and 54.6 at 10 (+2.1 %), the others 54.2 -> 54.0 (the no-count
+            # diagnostic line runs at 54.0: near the H100's memory floor)
             "s41": dict(
                 int_counts=False, int_scale=False, sf_index32=False, redux_counts=False, bf16_keys=False, min_blocks=9
             ),
