@@ -240,11 +240,14 @@ def _pow2_scales(a, fmt_max: float):
 def pow2_scale_constants(fmt_max: float) -> tuple[int, int, int]:
     """``(p, round_up, lo_bits)`` of ``_pow2_scales_from_bits`` for ``fmt_max = F * 2**p`` (``F`` in [1, 2),
     ``p >= 2``): ``k = ((bits(a) + round_up) >> 23) - 127 - p`` for ``bits(a)`` in [``lo_bits``, ``0x7F800000``)."""
-    fmt_bits = struct.unpack("<I", struct.pack("<f", fmt_max))[0]
+    def f32_bits(v: float) -> int:
+        return struct.unpack("<I", struct.pack("<f", v))[0]
+
+    fmt_bits = f32_bits(fmt_max)
     p = (fmt_bits >> 23) - 127
     if p < 2:  # then k could reach 127 and 2**-k leave the normal range
         raise ValueError(f"pow2_scale_constants: fmt_max must be at least 4, got {fmt_max}")
-    return p, 0x7FFFFF - (fmt_bits & 0x7FFFFF), struct.unpack("<I", struct.pack("<f", fmt_max * 2.0**-125))[0]
+    return p, 0x7FFFFF - (fmt_bits & 0x7FFFFF), f32_bits(fmt_max * 2.0**-125)
 
 
 def _pow2_scales_from_bits(a, fmt_max: float):
@@ -467,7 +470,7 @@ def swiglu_fwd_token_kernel(
     short = short_div and fast_div and in_dtype == "bfloat16" and (not clamp_on or use_b16)  # g is a bf16 value
     sexp = short and short_exp
     key_lo = EXP_SILU_BF16_LO if sexp else FAST_DIV_LO
-    bkeys = bf16_keys and short and VEC == 8
+    bkeys = bf16_keys and short
     gate_lo2, gate_hi2 = ((key_lo >> 16) * 0x10001, (FAST_DIV_HI >> 16) * 0x10001)  # the bounds as bf16 pairs
     prelude = (
         (DIV_FAST if fast_div else "")
@@ -494,14 +497,21 @@ def swiglu_fwd_token_kernel(
     iscale = int_scale and round_sf
 
     @T.macro
-    def scale_rule_into(dst, a):
-        """``dst[0], dst[1] = _pow2_scales(a)`` for the floored amax ``a``, from its bits where they suffice."""
-        in_range, s_bits, si_bits = _pow2_scales_from_bits(a, E4M3_MAX)
-        if in_range:
-            dst[0] = s_bits
-            dst[1] = si_bits
+    def scale_rule_into(dst, amax, clamp_min):
+        """``dst[0], dst[1] = _scale_rule(amax, ...)``; with ``int_scale`` from the floored amax's bits where they
+        suffice (``_pow2_scales_from_bits``), the division otherwise."""
+        if iscale:
+            a = T.max(amax, clamp_min)
+            in_range, s_bits, si_bits = _pow2_scales_from_bits(a, E4M3_MAX)
+            if in_range:
+                dst[0] = s_bits
+                dst[1] = si_bits
+            else:
+                s, si = _pow2_scales(a, E4M3_MAX)
+                dst[0] = s
+                dst[1] = si
         else:
-            s, si = _pow2_scales(a, E4M3_MAX)
+            s, si = _scale_rule(amax, clamp_min, E4M3_MAX, round_sf)
             dst[0] = s
             dst[1] = si
 
@@ -553,7 +563,7 @@ def swiglu_fwd_token_kernel(
             st = T.alloc_local((1,), "int32")
             cnt = T.alloc_local((4,), "int32")
             red = T.alloc_shared((warps, 4), "int32")
-            sp = T.alloc_local((3,), "float32")  # pair: own sf, own sf_inv, the partner's sf_inv; int_scale: sf, sf_inv
+            sp = T.alloc_local((3,), "float32")  # sf, sf_inv; pair: then the partner's sf_inv
             sq = T.alloc_local((2,), "float32")  # pair: the two chunks' sf_inv
             so = T.alloc_local((1,), "int32")  # sf_index32: the scale's offset
             gs = T.alloc_local((VEC,), "float32")  # fast_div: the chunk's clamped g and u
@@ -665,14 +675,7 @@ def swiglu_fwd_token_kernel(
                                     am[c] = T.max(am[c], T.shfl_xor(am[c], off))
                                 if pair and c % 2 == 1:
                                     hi = T.bitwise_and(lane, b) != 0
-                                    if iscale:
-                                        scale_rule_into(sp, T.max(T.if_then_else(hi, am[c], am[c - 1]), clamp_min))
-                                    else:
-                                        s, si = _scale_rule(
-                                            T.if_then_else(hi, am[c], am[c - 1]), clamp_min, E4M3_MAX, round_sf
-                                        )
-                                        sp[0] = s
-                                        sp[1] = si
+                                    scale_rule_into(sp, T.if_then_else(hi, am[c], am[c - 1]), clamp_min)
                                     sp[2] = T.shfl_xor(sp[1], b)
                                     sq[0] = T.if_then_else(hi, sp[2], sp[1])  # chunk c-1's sf_inv
                                     sq[1] = T.if_then_else(hi, sp[1], sp[2])  # chunk c's
@@ -693,11 +696,8 @@ def swiglu_fwd_token_kernel(
                                                 layout, sp[0]
                                             )
                                 elif not pair or c == UC - 1:
-                                    if iscale:
-                                        scale_rule_into(sp, T.max(am[c], clamp_min))
-                                        s, si = sp[0], sp[1]
-                                    else:
-                                        s, si = _scale_rule(am[c], clamp_min, E4M3_MAX, round_sf)
+                                    scale_rule_into(sp, am[c], clamp_min)
+                                    s, si = sp[0], sp[1]
                                     if in_range(col):
                                         for i in T.vectorized(VEC):
                                             out[row, col + i] = T.cast(v[c, i] * si, "float8_e4m3fn")
@@ -705,11 +705,8 @@ def swiglu_fwd_token_kernel(
                                             sf[_tl.sf_offset(layout, row, col // group, E, nk)] = _sf_value(layout, s)
                         if row_mode:
                             if ph == 1:
-                                if iscale:
-                                    scale_rule_into(sp, T.max(rm[0], clamp_min))
-                                    s, si = sp[0], sp[1]
-                                else:
-                                    s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
+                                scale_rule_into(sp, rm[0], clamp_min)
+                                s, si = sp[0], sp[1]
                                 for c in T.unroll(UC):
                                     col = it * span + c * (32 * VEC) + lane * VEC
                                     if in_range(col):
@@ -720,12 +717,8 @@ def swiglu_fwd_token_kernel(
                             for off in offsets:
                                 rm[0] = T.max(rm[0], T.shfl_xor(rm[0], off))
                             if lane == 0:
-                                if iscale:
-                                    scale_rule_into(sp, T.max(rm[0], clamp_min))
-                                    s = sp[0]
-                                else:
-                                    s, si = _scale_rule(rm[0], clamp_min, E4M3_MAX, round_sf)
-                                sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, s)
+                                scale_rule_into(sp, rm[0], clamp_min)
+                                sf[_tl.sf_offset(layout, row, 0, E, nk)] = _sf_value(layout, sp[0])
             if st[0] == 2:
                 for j in T.serial(iters // wpr):
                     it = it0 + j
