@@ -70,6 +70,8 @@ VARIANTS = {
     # the op default with TileLang's shared-memory sync planner on (as before session 23; ``PLANNER_KERNEL``): at
     # d > 4096 it added two barriers per token around the row sums' exchange
     "planner": gate_conv.bwd_config,
+    # the int64 addresses of TileLang's indices (the op's choice from 2**31 elements on; before session 43 always)
+    "int64": default_with(idx32=False),
 }
 PLANNER_KERNEL = KernelFactory(K.gate_conv_bwd_kernel.factory,
                                {**K.gate_conv_bwd_kernel.pass_configs, "tl.disable_thread_storage_sync": False})

@@ -313,6 +313,7 @@ def test_compile_gate_conv(arch, dtype, d, taps, dilation):
     # restricted to shared memory and take the approximate sigmoid
     assert ("tl::cluster_sync()" in src) == ("st.async.shared::cluster" in src) == (bp["split"] == 2)
     assert ("fence.acquire.sync_restrict::shared::cluster" in src) == (bp["split"] == 2)
+    assert bp["idx32"] and src.count("tk_st16(") == 4  # the three outputs by int32 offsets (and the helper)
     assert "mbarrier.try_wait.parity.acquire" not in src
     assert (src.count("tk_sigmoid_approx(") > 1) == (bp["split"] == 2)
 
@@ -486,11 +487,11 @@ def test_gpu_fwd_kernel_variants_are_bit_identical(M, T, d, taps, dilation, dtyp
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M,T,d,taps,dilation,dtype", GPU_CASES[:4])
-@pytest.mark.parametrize("flag", ["planes", "resident_w", "ahead"])
+@pytest.mark.parametrize("flag", ["planes", "resident_w", "ahead", "idx32"])
 def test_gpu_bwd_layouts_are_bit_identical(M, T, d, taps, dilation, dtype, flag):
     """The backward with one layout choice flipped (the float32 shared rows in two planes or contiguous, the
     weights in registers for the walk or loaded per stage, stage A's rows and statistics an iteration ahead or
-    not): the same bits in every output."""
+    not, int32 or int64 addresses): the same bits in every output."""
     from tk_engram.gate_conv import _num_parts, bwd_config
 
     x = _inputs(M, T, d, taps, dtype, "cuda")

@@ -124,10 +124,12 @@ def bwd_config(d: int, arch: str) -> dict:
     1.4 % slower, so the single-CTA kernels keep the precise one). A cluster walks ``2 * CHUNK``
     tokens, so that at 8192 tokens the clusters fill one wave as single CTAs of ``CHUNK`` tokens do (the H200 at
     d=7168: 544 us against 561 at 64 tokens and 597 at 32 per cluster; run 1 of sweep_gate_conv_bwd_s7.log).
-    ``arch`` (of the device) picks whether the fused kernels keep the weights in registers (``RESIDENT_W_ARCHS``)."""
+    ``arch`` (of the device) picks whether the fused kernels keep the weights in registers (``RESIDENT_W_ARCHS``).
+    ``idx32``: int32 element offsets where the tensors allow it (the launch clears it from 2**31 elements)."""
     split = bwd_split(d)
     fused = fuse_dconv(d // split)
-    cfg = dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1, **bwd_params(fused, arch))
+    cfg = dict(chunk=CHUNK * split, split=split, with_dconv=fused, approx_sigmoid=split > 1, idx32=True,
+               **bwd_params(fused, arch))
     if split > 1 and not fused:  # halves wider than 4096 columns
         cfg["vecs"] = bwd_half_vecs(d // split)
     return cfg
@@ -259,6 +261,7 @@ def _gate_conv_bwd_dev(
 ) -> None:
     d, taps = H.shape[2], conv_w.shape[0]
     cfg = bwd_config(d, arch_of(H.device))
+    cfg["idx32"] = cfg["idx32"] and H.numel() < 2**31  # int32 element offsets (``bwd_config``)
     params = dict(dtype=_TL_DTYPES[H.dtype], d=d, taps=taps, dilation=dilation)
     gate_conv_bwd_kernel.get(H.device, **cfg, **params)(
         dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, dH, dk, dv, part
