@@ -115,19 +115,10 @@ def add_row_sums(part, hv, kv, vv, wh):
     part[3] += vv * vv
 
 
-@T.macro
-def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int, cb=0):
-    """This thread's ``slots`` 16-byte column vectors of the row ``src[m, t, cb:cb + d]`` into ``dst``."""
-    for s in T.unroll(slots):
-        c0 = (s * threads + tx) * VEC
-        if c0 < d:
-            for e in T.vectorized(VEC):
-                dst[s * VEC + e] = src[m, t, cb + c0 + e]
-
-
-# 16-byte row vectors and float32 statistics addressed by an int32 element offset from the tensor's base (the
-# backward's ``idx32``): TileLang widens every buffer index of a dynamic shape to int64, whose products and carries
-# ptxas rematerialises per token at the register cap.
+# 16-byte row vectors and float32 statistics addressed by an int32 element offset from the tensor's base (``idx32``
+# of ``load_row``, ``store_row`` and ``load_stat``; the caller's tensors hold fewer than 2**31 elements): TileLang
+# widens every buffer index of a dynamic shape to int64, whose products and carries ptxas rematerialises per token
+# at the register cap; an index built from an int32 local is widened too, and then not vectorised.
 _IDX32 = r"""
 __device__ __forceinline__ void tk_ld16(void* dst, const void* base, int off) {
   *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned short*>(base) + off));
@@ -141,14 +132,41 @@ __device__ __forceinline__ float tk_ldf(const void* base, int off) {
 """
 
 
+def _row_offset(buf, m, t, c):
+    """int32 element offset of ``buf[m, t, c]`` (``idx32``)."""
+    return (m * buf.shape[1] + t) * buf.shape[2] + c
+
+
 @T.macro
-def load_row32(dst, src, off, tx, slots: int, threads: int, d: int):
-    """``load_row`` of the row whose first column (of this CTA) is element ``off`` (int32) of ``src``."""
+def load_row(dst, src, m, t, tx, slots: int, threads: int, d: int, cb=0, idx32: bool = False):
+    """This thread's ``slots`` 16-byte column vectors of the row ``src[m, t, cb:cb + d]`` into ``dst``."""
     for s in T.unroll(slots):
         c0 = (s * threads + tx) * VEC
         if c0 < d:
-            T.evaluate(T.call_extern("handle", "tk_ld16", T.address_of(dst[s * VEC]), T.address_of(src[0, 0, 0]),
-                                     off + c0))
+            if idx32:
+                T.evaluate(T.call_extern("handle", "tk_ld16", T.address_of(dst[s * VEC]), T.address_of(src[0, 0, 0]),
+                                         _row_offset(src, m, t, cb + c0)))
+            else:
+                for e in T.vectorized(VEC):
+                    dst[s * VEC + e] = src[m, t, cb + c0 + e]
+
+
+@T.macro
+def store_row(dst, src, m, t, c, idx32: bool = False):
+    """The 16-byte vector ``src`` into ``dst[m, t, c:c + VEC]``."""
+    if idx32:
+        T.evaluate(T.call_extern("handle", "tk_st16", T.address_of(dst[0, 0, 0]), _row_offset(dst, m, t, c),
+                                 T.address_of(src[0])))
+    else:
+        for e in T.vectorized(VEC):
+            dst[m, t, c + e] = src[e]
+
+
+def load_stat(buf, m, t, idx32: bool = False):
+    """``buf[m, t]`` of a float32 (M, T) statistic."""
+    if idx32:
+        return T.call_extern("float32", "tk_ldf", T.address_of(buf[0, 0]), m * buf.shape[1] + t)
+    return buf[m, t]
 
 
 def f32_rows(width: int, planes: bool):
@@ -858,36 +876,21 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                     sa[1] = rr_v[bm, tj]
                 do_b = it >= 2 * R and ti < L
                 if do_b:
-                    if idx32:  # (no Python loop over the tensors: TileLang names a buffer after its loop variable)
-                        sb[0] = T.call_extern(f32, "tk_ldf", T.address_of(alpha[0, 0]), bm * L + ti)
-                        sb[1] = T.call_extern(f32, "tk_ldf", T.address_of(rr_h[0, 0]), bm * L + ti)
-                        sb[2] = T.call_extern(f32, "tk_ldf", T.address_of(rr_k[0, 0]), bm * L + ti)
-                        sb[3] = T.call_extern(f32, "tk_ldf", T.address_of(rr_v[0, 0]), bm * L + ti)
-                        load_row32(xa, H, (bm * L + ti) * d + cb, tx, slots, threads, DW)
-                        load_row32(xb, K, (bm * L + ti) * d + cb, tx, slots, threads, DW)
-                        load_row32(xc, V, (bm * L + ti) * d + cb, tx, slots, threads, DW)
-                        load_row32(xd, dY, (bm * L + ti) * d + cb, tx, slots, threads, DW)
-                    else:
-                        sb[0] = alpha[bm, ti]
-                        sb[1] = rr_h[bm, ti]
-                        sb[2] = rr_k[bm, ti]
-                        sb[3] = rr_v[bm, ti]
-                        load_row(xa, H, bm, ti, tx, slots, threads, DW, cb)
-                        load_row(xb, K, bm, ti, tx, slots, threads, DW, cb)
-                        load_row(xc, V, bm, ti, tx, slots, threads, DW, cb)
-                        load_row(xd, dY, bm, ti, tx, slots, threads, DW, cb)
+                    # (each tensor named: a Python loop over them would rename the kernel's parameters after its variable)
+                    sb[0] = load_stat(alpha, bm, ti, idx32)
+                    sb[1] = load_stat(rr_h, bm, ti, idx32)
+                    sb[2] = load_stat(rr_k, bm, ti, idx32)
+                    sb[3] = load_stat(rr_v, bm, ti, idx32)
+                    load_row(xa, H, bm, ti, tx, slots, threads, DW, cb, idx32)
+                    load_row(xb, K, bm, ti, tx, slots, threads, DW, cb, idx32)
+                    load_row(xc, V, bm, ti, tx, slots, threads, DW, cb, idx32)
+                    load_row(xd, dY, bm, ti, tx, slots, threads, DW, cb, idx32)
                 tn = tj + dilation
                 if ahead and it + 1 < 2 * R + chunk and tn >= 0 and tn < L:  # stage A of the next iteration
-                    if idx32:
-                        load_row32(nv, V, (bm * L + tn) * d + cb, tx, slots, threads, DW)
-                        load_row32(nd, dY, (bm * L + tn) * d + cb, tx, slots, threads, DW)
-                        sn[0] = T.call_extern(f32, "tk_ldf", T.address_of(alpha[0, 0]), bm * L + tn)
-                        sn[1] = T.call_extern(f32, "tk_ldf", T.address_of(rr_v[0, 0]), bm * L + tn)
-                    else:
-                        load_row(nv, V, bm, tn, tx, slots, threads, DW, cb)
-                        load_row(nd, dY, bm, tn, tx, slots, threads, DW, cb)
-                        sn[0] = alpha[bm, tn]
-                        sn[1] = rr_v[bm, tn]
+                    load_row(nv, V, bm, tn, tx, slots, threads, DW, cb, idx32)
+                    load_row(nd, dY, bm, tn, tx, slots, threads, DW, cb, idx32)
+                    sn[0] = load_stat(alpha, bm, tn, idx32)
+                    sn[1] = load_stat(rr_v, bm, tn, idx32)
                 # ---- stage A: chain token j = it - R (n history, u, g_u, dconv_w) ----
                 if tj < 0:
                     for s in T.unroll(slots):
@@ -1036,20 +1039,9 @@ def gate_conv_bwd_kernel(dtype: str, d: int, taps: int, dilation: int, chunk: in
                                                    + (nca2 * el(xc, s * VEC, k, j) + a * el(xd, s * VEC, k, j)), dtype)
                                     oa[e] = T.cast(ccw2 * kv + ncch * hv, dtype)
                                     ob[e] = T.cast(ccw2 * hv + ncck * kv, dtype)
-                            if idx32:
-                                T.evaluate(T.call_extern("handle", "tk_st16", T.address_of(dH[0, 0, 0]),
-                                                         (bm * L + ti) * d + cb + c0, T.address_of(oa[0])))
-                                T.evaluate(T.call_extern("handle", "tk_st16", T.address_of(dK[0, 0, 0]),
-                                                         (bm * L + ti) * d + cb + c0, T.address_of(ob[0])))
-                                T.evaluate(T.call_extern("handle", "tk_st16", T.address_of(dV[0, 0, 0]),
-                                                         (bm * L + ti) * d + cb + c0, T.address_of(oc[0])))
-                            else:
-                                for e in T.vectorized(VEC):
-                                    dH[bm, ti, cb + c0 + e] = oa[e]
-                                for e in T.vectorized(VEC):
-                                    dK[bm, ti, cb + c0 + e] = ob[e]
-                                for e in T.vectorized(VEC):
-                                    dV[bm, ti, cb + c0 + e] = oc[e]
+                            store_row(dH, oa, bm, ti, cb + c0, idx32)
+                            store_row(dK, ob, bm, ti, cb + c0, idx32)
+                            store_row(dV, oc, bm, ti, cb + c0, idx32)
             for s in T.unroll(slots):
                 c0 = (s * threads + tx) * VEC
                 if c0 < DW:
