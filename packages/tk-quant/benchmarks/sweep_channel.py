@@ -87,10 +87,6 @@ VARIANTS = {
     # (rsf 0 / 1, lines already met), fused plain -0.5 % (the unmet line): neither kept
     "split": (None, dict(split_scale=True)),
     "dynsplit4": (PLAIN, dict(dynamic=True, min_blocks=4, split_scale=True)),
-    # session 43, not measured yet: the tile's channel and token indices in int32 locals (``tile32``), so that the
-    # divisions by the channel-tile count run in 32 bits instead of the int64 of TileLang's widened buffer indices:
-    # fused plain rsf=0 385 -> 342 SASS instructions per tile and thread, 10-14 % fewer static ones on the others
-    "tile32": (None, dict(tile32=True)),
 }
 H = 7168
 CLAMP = get_amax_clamp("e4m3")

@@ -98,7 +98,6 @@ def per_channel_cast_kernel(
     dynamic: bool = False,
     call_free_div: bool = False,
     split_scale: bool = False,
-    tile32: bool = False,
 ):
     """``in_dtype``: bfloat16/float32, or float8_e4m3fn with ``quant_in`` (per-token 1x128 fp32 scales).
 
@@ -126,11 +125,6 @@ def per_channel_cast_kernel(
     scale's two quotients by ``_tl.SCALE_DIV`` instead of the IEEE division, whose slow-path call pins registers; for
     128-token blocks two threads per channel compute them, one quotient each (``split_scale``: the same for the
     rounded scales; a sweep variant, 0 to -2 %).
-
-    ``tile32`` (a sweep variant, not measured): each tile's channel and token tile indices computed once into int32
-    locals; TileLang widens a buffer index to int64 with everything in it, so the inline ``tile // NX`` and ``tile %
-    NX`` were 64-bit divisions in every load and store (sm_90a: 10-14 % fewer static instructions; the gathering
-    cast at 4 CTAs per SM then spills 12 bytes).
 
     The barriers are explicit (TileLang's sync planner would add one per tile to the dynamic order: it cannot tell
     that thread 0 writes a ring slot other threads no longer read); it added none to the static kernels.
@@ -166,21 +160,9 @@ def per_channel_cast_kernel(
     WPB = bm // ROWS_PER_WARP  # warps per scale block
 
     @T.macro
-    def set_xy(xy, i, tile):
-        """``tile32``: the tile's channel and token tile indices into the int32 locals ``xy[i]``, ``xy[i + 1]``."""
-        if tile32:
-            xy[i] = T.truncmod(tile, NX)
-            xy[i + 1] = T.truncdiv(tile, NX)
-
-    def xy_of(xy, i, tile):
-        """(channel tile, token tile) of ``tile``: from ``set_xy``'s int32 locals with ``tile32`` (a buffer index
-        is widened to int64 with everything in it, divisions by NX included), else inline."""
-        return (xy[i], xy[i + 1]) if tile32 else (T.truncmod(tile, NX), T.truncdiv(tile, NX))
-
-    @T.macro
-    def load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, tile, tx, c8, r0, xy):
-        set_xy(xy, 0, tile)
-        bx, by = xy_of(xy, 0, tile)
+    def load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, tile, tx, c8, r0):
+        bx = T.truncmod(tile, NX)
+        by = T.truncdiv(tile, NX)
         for p in T.unroll(P):
             r = by * BM + r0 + p
             src[0] = r
@@ -208,10 +190,10 @@ def per_channel_cast_kernel(
                     xr[p, v] = T.reinterpret(T.uint8(0), in_dtype) if quant_in else T.cast(0, in_dtype)
 
     @T.macro
-    def store_staged(out, qs, tile, tx, xy):
+    def store_staged(out, qs, tile, tx):
         """The transposed e4m3 tile staged in ``qs`` to ``out``: 16-byte runs of tokens (LDS.128 -> STG.128)."""
-        set_xy(xy, 4, tile)
-        bx, by = xy_of(xy, 4, tile)
+        bx = T.truncmod(tile, NX)
+        by = T.truncdiv(tile, NX)
         for q in T.unroll(BK * BM // 16 // threads):
             chunk = q * threads + tx
             c = chunk // (BM // 16)
@@ -227,8 +209,6 @@ def per_channel_cast_kernel(
         x, x_sf, pos, out, sf, err, clamp_min = k.x, k.x_sf, k.pos, k.out, k.sf, k.err, k.clamp_min
         xr, xn, s_in, s_n, am, xf, si = k.xr, k.xn, k.s_in, k.s_n, k.am, k.xf, k.si
         ok, src, nbad, red, sis, qs, tx, c8, r0 = k.ok, k.src, k.nbad, k.red, k.sis, k.qs, k.tx, k.c8, k.r0
-        set_xy(k.xy, 2, tile)
-        tbx, tby = xy_of(k.xy, 2, tile)
         # Widened (and, for QuantTensor input, scaled) once for both the amax and the quantization: ptxas
         # otherwise recomputes it to save registers (QuantTensor input: 2,553 -> 2,763 GB/s at 2 CTAs/SM).
         for p in T.unroll(P):
@@ -248,7 +228,7 @@ def per_channel_cast_kernel(
         # The next tile's loads: issued after this tile's amax (measured 2-5% faster than before it, where
         # they compete with the amax for issue slots and registers), they still land across the barriers.
         if has_next:
-            load(x, x_sf, pos, err, nbad, xn, s_n, ok, src, next_tile, tx, c8, r0, k.xy)
+            load(x, x_sf, pos, err, nbad, xn, s_n, ok, src, next_tile, tx, c8, r0)
         for v in T.unroll(VEC):
             am[v] = T.max(am[v], T.shfl_xor(am[v], 8))
             am[v] = T.max(am[v], T.shfl_xor(am[v], 16))
@@ -267,20 +247,21 @@ def per_channel_cast_kernel(
             for w in T.unroll(1, WPB):
                 m[0] = T.max(m[0], red[b * WPB + w, c])
             s, s_inv = _tl.scale_rule(m[0], clamp_min, 448.0, round_sf, call_free_div)
+            by = T.truncdiv(tile, NX)
             if split_scale:
                 if tx < NBT * BK:
                     sis[b, c] = s_inv
-                elif (tby * NBT + b) * bm < num_out:
-                    sf[tby * NBT + b, tbx * BK + c] = s
+                elif (by * NBT + b) * bm < num_out:
+                    sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
             else:
                 sis[b, c] = s_inv
-                if (tby * NBT + b) * bm < num_out:
-                    sf[tby * NBT + b, tbx * BK + c] = s
+                if (by * NBT + b) * bm < num_out:
+                    sf[by * NBT + b, T.truncmod(tile, NX) * BK + c] = s
         if transpose and defer_store:
             # the previous tile's staged bytes, complete since the barrier above, go out here (no barrier
             # of their own); this tile is staged only after the next barrier, when every thread has read them
             if has_prev:
-                store_staged(out, qs, prev_tile, tx, k.xy)
+                store_staged(out, qs, prev_tile, tx)
         T.sync_threads()
         for v in T.unroll(VEC):
             si[v] = sis[r0 // bm, c8 + v]
@@ -302,13 +283,14 @@ def per_channel_cast_kernel(
                 )
             if not defer_store:
                 T.sync_threads()
-                store_staged(out, qs, tile, tx, k.xy)
+                store_staged(out, qs, tile, tx)
         else:
+            by = T.truncdiv(tile, NX)
             for p in T.unroll(P):
-                r = tby * BM + r0 + p
+                r = by * BM + r0 + p
                 if r < num_out:
                     for v in T.vectorized(VEC):
-                        out[r, tbx * BK + c8 + v] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
+                        out[r, T.truncmod(tile, NX) * BK + c8 + v] = T.cast(xf[p, v] * si[v], "float8_e4m3fn")
         for p in T.unroll(P):
             if quant_in:
                 s_in[p] = s_n[p]
@@ -351,14 +333,12 @@ def per_channel_cast_kernel(
             ring = T.alloc_shared((4,), "int32") if dynamic else None
             fetched = T.alloc_local((1,), "int32") if dynamic else None
             itr = T.alloc_local((1,), "int32") if dynamic else None
-            # ``tile32``: (channel tile, token tile) of the tile being loaded, the current one and the staged one
-            xy = T.alloc_local((6,), "int32") if tile32 else None
             k = SimpleNamespace(x=x, x_sf=x_sf, pos=pos, out=out, sf=sf, err=err, clamp_min=clamp_min, tx=tx, xr=xr,
                                 xn=xn, s_in=s_in, s_n=s_n, am=am, xf=xf, si=si, ok=ok, src=src, nbad=nbad, red=red,
                                 sis=sis, qs=qs, c8=c8, r0=r0, ntiles=ntiles, nctas=nctas, sched=sched, ring=ring,
-                                fetched=fetched, itr=itr, xy=xy)
+                                fetched=fetched, itr=itr)
             if dynamic:
-                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0, xy)
+                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
                 if tx == 0:  # the first three tiles as in the static grid (no atomics at the launch's start)
                     ring[0] = bid
                     ring[1] = bid + nctas
@@ -372,7 +352,7 @@ def per_channel_cast_kernel(
                     itr[0] = itr[0] + 1
                 if transpose and defer_store:
                     T.sync_threads()
-                    store_staged(out, qs, ring[T.bitwise_and(itr[0] + 3, 3)], tx, xy)
+                    store_staged(out, qs, ring[T.bitwise_and(itr[0] + 3, 3)], tx)
                 if tx == 0:
                     # the last CTA to finish resets the counters for the next launch: the release orders each CTA's
                     # fetches before its arrival here, so no fetch follows the reset
@@ -382,13 +362,13 @@ def per_channel_cast_kernel(
                         sched[1] = 0
             else:
                 niter = T.truncdiv(ntiles - bid + nctas - 1, nctas)
-                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0, xy)
+                load(x, x_sf, pos, err, nbad, xr, s_in, ok, src, bid, tx, c8, r0)
                 for it in T.serial(niter):
                     tile = bid + it * nctas
                     tile_step(k, tile, tile + nctas, it + 1 < niter, tile - nctas, it > 0)
                 if transpose and defer_store:
                     T.sync_threads()
-                    store_staged(out, qs, bid + (niter - 1) * nctas, tx, xy)
+                    store_staged(out, qs, bid + (niter - 1) * nctas, tx)
             if count_slots:
                 warp_bad = T.alloc_shared((WARPS,), "int32")
                 _tl.store_cta_count(err, bid, nbad, warp_bad, tx, WARPS, False)
