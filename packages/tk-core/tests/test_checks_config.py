@@ -32,6 +32,28 @@ def test_messages_name_op_argument_expectation_and_value():
         checks.check_positive_int("myop", "n", 1.5)
 
 
+def test_kind_checks_reject_lookalikes():
+    # 128.0 == 128 and True == 1, but neither is the int a size or block option means
+    with pytest.raises(TypeError, match=r"^myop: bm must be one of \(32, 128\), got 128.0 \(float\)$"):
+        checks.check_one_of("myop", "bm", 128.0, (32, 128))
+    with pytest.raises(TypeError, match=r"^myop: bm must be one of \(0, 1\), got True \(bool\)$"):
+        checks.check_one_of("myop", "bm", True, (0, 1))
+    with pytest.raises(TypeError, match=r"^myop: bm must be one of \(32, 128\), got 64.5$"):
+        checks.check_one_of("myop", "bm", 64.5, (32, 128))
+    with pytest.raises(TypeError, match=r"^myop: fmt must be one of \('e4m3',\), got tensor"):
+        checks.check_one_of("myop", "fmt", torch.zeros(2), ("e4m3",))
+    with pytest.raises(ValueError, match=r"^myop: bm must be one of \(32, 128\), got 64$"):
+        checks.check_one_of("myop", "bm", 64, (32, 128))
+    assert checks.check_one_of("myop", "bm", torch.tensor(128).item(), (32, 128)) is None
+    with pytest.raises(TypeError, match=r"^myop: n must be a positive int, got True$"):
+        checks.check_positive_int("myop", "n", True)
+    with pytest.raises(TypeError, match=r"^myop: flag must be a bool, got 'False' \(str\)$"):
+        checks.check_bool("myop", "flag", "False")
+    with pytest.raises(TypeError, match=r"^myop: flag must be a bool, got 1 \(int\)$"):
+        checks.check_bool("myop", "flag", 1)
+    assert checks.check_bool("myop", "flag", False) is None
+
+
 def test_passing_checks_return_none():
     x = torch.zeros(2, 64)
     assert checks.check_dtype("op", "x", x, torch.float32) is None

@@ -5,14 +5,16 @@ which argument and what was wrong. Type problems raise ``TypeError``; value, sha
 problems raise ``ValueError``. The helpers are cheap enough for the host path of every op.
 """
 
+import numbers
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 import torch
 
 from .formats import dtype_name
 
 
-def fail(op: str, arg: str, expected: str, got, exc: type[Exception] = ValueError):
+def fail(op: str, arg: str, expected: str, got, exc: type[Exception] = ValueError) -> NoReturn:
     """Raises ``exc`` with the project's message format."""
     raise exc(f"{op}: {arg} must be {expected}, got {got}")
 
@@ -62,10 +64,37 @@ def check_divisible(op: str, arg: str, value: int, divisor: int) -> None:
         fail(op, arg, f"a multiple of {divisor}", value)
 
 
+def _same_kind(value, choice) -> bool:
+    """Whether ``value`` may stand for ``choice``: a bool only for a bool, an integral number (not a bool, not a
+    float equal to it) for an int, never a tensor; other kinds compare by equality alone."""
+    if isinstance(value, torch.Tensor):
+        return False
+    if isinstance(choice, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(choice, bool)
+    if isinstance(choice, numbers.Integral):
+        return isinstance(value, numbers.Integral)
+    return True
+
+
 def check_one_of(op: str, arg: str, value, choices: Iterable) -> None:
+    """``value`` equals one of ``choices`` and is of its kind (``128.0`` or ``True`` is not the int ``128`` or ``1``:
+    ``TypeError``); an unhashable or otherwise incomparable value is a ``TypeError`` too."""
     choices = tuple(choices)
-    if value not in choices:
-        fail(op, arg, f"one of {choices}", repr(value))
+    try:
+        match = [c for c in choices if value == c]
+    except (TypeError, RuntimeError):  # e.g. a tensor, whose == does not give one bool
+        fail(op, arg, f"one of {choices}", repr(value), TypeError)
+    if not match:
+        fail(op, arg, f"one of {choices}", repr(value),
+             TypeError if choices and not any(_same_kind(value, c) for c in choices) else ValueError)
+    if not any(_same_kind(value, c) for c in match):
+        fail(op, arg, f"one of {choices}", f"{value!r} ({type(value).__name__})", TypeError)
+
+
+def check_bool(op: str, arg: str, value) -> None:
+    """A flag: a Python bool (a string like ``"False"`` or a number is not read by its truthiness)."""
+    if not isinstance(value, bool):
+        fail(op, arg, "a bool", f"{value!r} ({type(value).__name__})", TypeError)
 
 
 MAX_GRID_YZ = 65535  # CTAs along a grid's y or z dimension
@@ -79,5 +108,6 @@ def check_grid_extent(op: str, arg: str, value: int, unit: str = "", got=None) -
 
 
 def check_positive_int(op: str, arg: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        fail(op, arg, "a positive int", repr(value), TypeError if not isinstance(value, int) else ValueError)
+    wrong_type = not isinstance(value, int) or isinstance(value, bool)
+    if wrong_type or value <= 0:
+        fail(op, arg, "a positive int", repr(value), TypeError if wrong_type else ValueError)
