@@ -60,7 +60,10 @@ def test_cpu_public_round_trip(col, round_sf, packed, fmt):
         (dict(x_block_size=(1, 0)), ValueError, "x_block_size must be a tuple of two positive ints"),
         (dict(x_block_size=(1, 64)), ValueError, r"x\[1\] \(sf\) must be of shape"),
         (dict(out=torch.empty(4, 256)), ValueError, "out must be a contiguous"),
-        (dict(x="nope"), TypeError, "x must be a tensor or a QuantTensor"),
+        (dict(x="nope"), TypeError, r"x must be a QuantTensor \(data, sf\), got str"),
+        (dict(x=torch.randn(4, 256)), TypeError, r"cast_back: x must be a QuantTensor \(data, sf\), got Tensor"),
+        (dict(fmt=["fp32"]), TypeError, r"cast_back: fmt must be a str, one of \('bf16', 'fp32'\), got \['fp32'\]"),
+        (dict(x_block_size=(1, 128.0)), TypeError, r"x_block_size must be a pair of ints \(bm, bk\), got \(1, 128.0\)"),
     ],
 )
 def test_validation_errors(args, exc, match):
@@ -71,6 +74,14 @@ def test_validation_errors(args, exc, match):
         tk_quant.cast_back(**kw)
     with pytest.raises(TypeError, match=r"x\[0\] \(data\) must be of dtype"):
         tk_quant.cast_back((torch.zeros(4, 256), q[1]), "bf16", (1, 128))
+
+
+def test_per_token_cast_back_blames_num_per_channels():
+    q = reference.cast(torch.randn(4, 256), "e4m3", (1, 128))
+    with pytest.raises(TypeError, match="per_token_cast_back: num_per_channels must be a positive int, got 128.0"):
+        tk_quant.per_token_cast_back(q, "fp32", 128.0)
+    with pytest.raises(ValueError, match="per_token_cast_back: num_per_channels must be a positive int, got 0"):
+        tk_quant.per_token_cast_back(q, "fp32", 0)
 
 
 # --- compile tier -----------------------------------------------------------------------------------

@@ -94,6 +94,29 @@ def test_validation_errors():
         tk_quant.cast_back_e5m6((d, s), "bf16", (1, 32))
 
 
+def test_validation_num_per_channels_and_x_block_size():
+    x = torch.randn(4, 256)
+    for cast in (lambda bk: tk_quant.per_token_cast(x, "e5m6", bk), lambda bk: tk_quant.per_token_cast_to_e5m6(x, bk)):
+        with pytest.raises(TypeError, match="per_token_cast_to_e5m6: num_per_channels must be a positive int, got 256.0"):
+            cast(256.0)
+        with pytest.raises(TypeError, match="num_per_channels must be a positive int, got True"):
+            cast(True)
+    with pytest.raises(ValueError, match="num_per_channels must be a positive int, got 0"):
+        tk_quant.per_token_cast(torch.randn(4, 0), "e5m6", 0)
+    with pytest.raises(ValueError, match=r"per_token_cast: x_block_size must be None for a plain tensor input, got \(1, 128\)"):
+        tk_quant.per_token_cast(x, "e5m6", 256, (1, 128))
+    with pytest.raises(TypeError, match="per_token_cast: use_e4m3_sf must be a bool, got 'no'"):
+        tk_quant.per_token_cast(x, "e5m6", 256, use_e4m3_sf="no")
+    with pytest.raises(TypeError, match="per_token_cast_to_e5m6: round_sf must be a bool, got 'False'"):
+        tk_quant.per_token_cast_to_e5m6(x, 256, round_sf="False")
+
+
+def test_cast_back_reports_the_packed_width_first():
+    # 383 bytes are no whole number of 3-byte pairs: that, not the hidden size derived from them, is the problem
+    with pytest.raises(ValueError, match=r"cast_back: x\[0\] \(data\) must be of width 3\*H/2 \(packed E5M6\), got shape \(4, 383\)"):
+        tk_quant.cast_back((torch.zeros(4, 383, dtype=torch.uint8), torch.ones(4, 2)), "fp32", (1, 128), "e5m6")
+
+
 # --- compile tier: the benchmark variants (per_token_cast_to_e5m6, cast_back_e5m6 anchor lines) ------
 
 # The SF kind only changes one store, so two of the four anchor variants of each op are compiled here.

@@ -72,11 +72,26 @@ def test_cpu_stochastic_against_float64(src, dst):
         (([1.0], torch.bfloat16), {}, TypeError, "cast: x must be a torch.Tensor, got list"),
         ((torch.randn(4), torch.bfloat16), dict(seed=3), ValueError, "seed must be None unless stochastic_rounding=True"),
         ((torch.randn(4), torch.bfloat16), dict(stochastic_rounding=True, seed=2**32), ValueError, r"seed must be in"),
+        ((torch.randn(4), [torch.bfloat16]), {}, TypeError, r"cast: dtype must be a torch.dtype, got \[torch.bfloat16\] \(list\)"),
+        ((torch.randn(4), "bf16"), {}, TypeError, "cast: dtype must be a torch.dtype, got 'bf16'"),
+        ((torch.randn(4), torch.bfloat16), dict(stochastic_rounding="no"), TypeError,
+         "cast: stochastic_rounding must be a bool, got 'no'"),
     ],
 )
 def test_validation_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         tk_quant.cast(*args, **kwargs)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("src,dst", PAIRS)
+def test_cpu_result_is_contiguous(src, dst, stochastic):
+    """A transposed input gives a contiguous result of its shape, as on the GPU (``torch.empty(x.shape)``)."""
+    x = torch.randn(5, 3).to(src).t()
+    seed = 5 if stochastic else None
+    y = tk_quant.cast(x, dst, stochastic_rounding=stochastic, seed=seed)
+    assert y.shape == x.shape and y.is_contiguous()
+    assert_equal(y, tk_quant.cast(x.contiguous(), dst, stochastic_rounding=stochastic, seed=seed))
 
 
 # --- compile tier -----------------------------------------------------------------------------------

@@ -88,6 +88,29 @@ def test_validation(kwargs, exc, msg):
         per_block_cast(**args)
 
 
+@pytest.mark.parametrize("block_size", [(32.9, 128.2), (32.0, 128), ("32", "128"), (None, 32), (True, 32)])
+def test_block_size_must_be_ints(block_size):
+    """No conversion with ``int()``: (32.9, 128.2) once ran as (32, 128), ("32", "128") was parsed."""
+    x = torch.randn(40, 128)
+    match = r"block_size must be a pair of ints \(bm, bk\), got "
+    with pytest.raises(TypeError, match="per_block_cast: " + match):
+        per_block_cast(x, "e4m3", block_size)
+    with pytest.raises(TypeError, match="per_block_cast_with_sf_only: " + match):
+        per_block_cast_with_sf_only(x, "e4m3", block_size)
+    with pytest.raises(TypeError, match="per_block_cast_with_precomputed_sf: " + match):
+        per_block_cast_with_precomputed_sf(x, "e4m3", block_size, torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("flag", ["use_tma_aligned_col_major_sf", "round_sf", "use_packed_ue8m0"])
+@pytest.mark.parametrize("value", ["no", "False", 0, None])
+def test_flags_must_be_bools(flag, value):
+    x = torch.randn(40, 128)
+    for fn, args in ((per_block_cast, ()), (per_block_cast_with_sf_only, ()),
+                     (per_block_cast_with_precomputed_sf, (torch.ones(2, 1),))):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: {flag} must be a bool, got {value!r}"):
+            fn(x, "e4m3", (32, 128), *args, **{flag: value})
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
 def test_out_argument(device, fmt):

@@ -96,6 +96,13 @@ def test_zero_scale_and_zero_tokens():
         (dict(out_block_size=(1, 96)), ValueError, "powers of two"),
         (dict(out_block_size=(256, 128)), ValueError, "at most 128"),
         (dict(x_block_size=(1, 64)), ValueError, "must be of shape"),
+        (dict(x=torch.zeros(4, 32, dtype=torch.int8)), TypeError, r"x must be a QuantTensor \(data, sf\), got Tensor"),
+        (dict(x_block_size=(1, 32.0)), TypeError, r"x_block_size must be a pair of ints \(bm, bk\)"),
+        (dict(out_block_size=(1.0, 128)), TypeError, r"out_block_size must be a pair of ints \(bm, bk\)"),
+        (dict(round_sf="False"), TypeError, "round_sf must be a bool, got 'False'"),
+        (dict(check="no"), TypeError, "check must be a bool, got 'no'"),
+        (dict(use_tma_aligned_col_major_sf=1), TypeError, "use_tma_aligned_col_major_sf must be a bool, got 1"),
+        (dict(use_packed_ue8m0="yes"), TypeError, "use_packed_ue8m0 must be a bool, got 'yes'"),
     ],
 )
 def test_validation(kwargs, exc, msg):

@@ -82,6 +82,13 @@ def test_fused_out_of_range_index():
         (per_channel_cast_and_transpose, dict(x=torch.randn(16, 64)), TypeError, "x must be of dtype bfloat16"),
         (per_channel_cast_fused, dict(num_per_channels=128), ValueError, "num_per_channels must be None"),
         (per_channel_cast_fused, dict(pos_to_token=torch.zeros(4, dtype=torch.int64)), TypeError, "pos_to_token must be of dtype"),
+        (per_channel_cast, dict(num_per_tokens=128.0), TypeError, r"num_per_tokens must be one of \(128,\), got 128.0 \(float\)"),
+        (per_channel_cast_and_transpose, dict(num_per_tokens=32.0), TypeError, r"num_per_tokens must be one of \(32, 128\), got 32.0"),
+        (per_channel_cast_fused, dict(num_per_tokens=128.0), TypeError, r"num_per_tokens must be one of \(128,\), got 128.0"),
+        (per_channel_cast, dict(round_sf="no"), TypeError, "per_channel_cast: round_sf must be a bool, got 'no'"),
+        (per_channel_cast_and_transpose, dict(round_sf=1), TypeError, "round_sf must be a bool, got 1"),
+        (per_channel_cast_fused, dict(round_sf="False"), TypeError, "round_sf must be a bool, got 'False'"),
+        (per_channel_cast_fused, dict(check="no"), TypeError, "per_channel_cast_fused: check must be a bool, got 'no'"),
     ],
 )
 def test_validation(fn, kwargs, exc, msg):
@@ -89,6 +96,24 @@ def test_validation(fn, kwargs, exc, msg):
     args.update(kwargs)
     with pytest.raises(exc, match=msg):
         fn(**args)
+
+
+def test_fused_quant_input_validation():
+    q = reference.cast(torch.randn(256, 128), "e4m3", (1, 128))
+    with pytest.raises(TypeError, match=r"num_per_channels must be one of \(128,\), got 128.0 \(float\)"):
+        per_channel_cast_fused(q, "e4m3", 128, False, 128.0)
+    with pytest.raises(ValueError, match="num_per_channels must be 128 for a QuantTensor input, got None"):
+        per_channel_cast_fused(q, "e4m3", 128)
+    with pytest.raises(TypeError, match=r"per_channel_cast_fused: x\[0\] \(data\) must be of dtype float8_e4m3fn, got float32"):
+        per_channel_cast_fused((q[0].float(), q[1]), "e4m3", 128, False, 128)
+
+
+def test_fused_error_count_device():
+    # a counter on another device than x: rejected (a meta tensor stands in for it on a CPU-only machine)
+    x = torch.randn(16, 64)
+    cnt = torch.zeros(1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="per_channel_cast_fused: error_count must be on device cpu, got device meta"):
+        per_channel_cast_fused(x, "e4m3", 128, pos_to_token=torch.zeros(4, dtype=torch.int32), check=False, error_count=cnt)
 
 
 # --- compile tier -------------------------------------------------------------------------------------
@@ -271,6 +296,14 @@ def test_fused_gather_error_counts(quant):
     out, sf = per_channel_cast_fused(xin, "e4m3", 128, False, npc, bad, check=False)  # counts to scratch: no error
     ref = reference.per_channel_cast_fused(xin, 128, npc, False, bad)
     assert_equal(out, ref[0]) and assert_equal(sf, ref[1])
+
+
+@gpu
+def test_fused_error_count_on_another_device():
+    x = torch.randn(16, 64, device="cuda")
+    pos = torch.zeros(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="error_count must be on device cuda:0, got device cpu"):
+        per_channel_cast_fused(x, "e4m3", 128, pos_to_token=pos, check=False, error_count=torch.zeros(1, dtype=torch.int32))
 
 
 @gpu

@@ -185,6 +185,42 @@ def test_validation_quant_inputs():
         tk_quant.per_token_cast((d8, s8), "e4m3", 128, x_block_size=(1, 8))
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x, bk: tk_quant.per_token_cast(x, "e4m3", bk),
+        lambda x, bk: tk_quant.per_token_cast_with_sf_only(x, "e4m3", bk),
+        lambda x, bk: tk_quant.per_token_cast_with_precomputed_sf(x, "e4m3", bk, torch.ones(4, 0)),
+        lambda x, bk: tk_quant.per_token_cast_and_cast_back(x, "e4m3", bk),
+    ],
+)
+def test_validation_num_per_channels_positive(op):
+    # zero columns would match num_per_channels == H == 0 (one scale per row) and divide by zero
+    with pytest.raises(ValueError, match="num_per_channels must be a positive int, got 0"):
+        op(torch.randn(4, 0), 0)
+    with pytest.raises(TypeError, match="num_per_channels must be a positive int, got 128.0"):
+        op(torch.randn(4, 128), 128.0)
+
+
+@pytest.mark.parametrize("flag", ["use_tma_aligned_col_major_sf", "round_sf", "use_packed_ue8m0", "use_e4m3_sf",
+                                  "stochastic_rounding"])
+@pytest.mark.parametrize("value", ["no", "False", 1, None])
+def test_validation_flags_must_be_bools(flag, value):
+    """A flag is not read by its truthiness (``round_sf="no"`` once meant True)."""
+    x = torch.randn(4, 64)
+    with pytest.raises(TypeError, match=f"per_token_cast: {flag} must be a bool, got {value!r}"):
+        tk_quant.per_token_cast(x, "e4m3", 32, **{flag: value})
+    if flag != "stochastic_rounding":
+        with pytest.raises(TypeError, match=f"per_token_cast_with_sf_only: {flag} must be a bool"):
+            tk_quant.per_token_cast_with_sf_only(x, "e4m3", 32, **{flag: value})
+    if flag in ("round_sf", "use_e4m3_sf"):
+        with pytest.raises(TypeError, match=f"per_token_cast_and_cast_back: {flag} must be a bool"):
+            tk_quant.per_token_cast_and_cast_back(x, "e4m3", 32, **{flag: value})
+    elif flag != "use_e4m3_sf":
+        with pytest.raises(TypeError, match=f"per_token_cast_with_precomputed_sf: {flag} must be a bool"):
+            tk_quant.per_token_cast_with_precomputed_sf(x, "e4m3", 32, torch.ones(4, 2), **{flag: value})
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
 def test_cpu_stochastic_rounding(fmt):
     """The scales are those of the RN cast; each value is ``round_stochastic`` of ``x * sf_inv`` with the bits of
@@ -250,6 +286,14 @@ def test_unpack_from_e2m1fn_x2():
         tk_quant.unpack_from_e2m1fn_x2(torch.tensor(3, dtype=torch.int8))
     with pytest.raises(TypeError):
         tk_quant.unpack_from_e2m1fn_x2(torch.zeros(4))
+    assert tk_quant.unpack_from_e2m1fn_x2(b, torch.float16).tolist() == [[0.5, 1.0, -6.0, -6.0]]
+
+
+@pytest.mark.parametrize("out_dtype", ["bf16", torch.int32, torch.uint8, None])
+def test_unpack_from_e2m1fn_x2_rejects_non_float_out_dtype(out_dtype):
+    # an integer dtype would truncate 0.5 and 1.5; a string failed inside torch
+    with pytest.raises(TypeError, match=f"unpack_from_e2m1fn_x2: out_dtype must be one of .*, got {out_dtype!r}"):
+        tk_quant.unpack_from_e2m1fn_x2(torch.tensor([0x31], dtype=torch.uint8), out_dtype)
 
 
 # --- compile tier: the variants used by the gpu tests and the benchmarks --------------------------

@@ -365,6 +365,13 @@ CHAN = tk_quant.swiglu_forward_and_per_channel_cast_and_transpose
             r"clamped_count.shape\[0\] must be one of",
         ),
         (dict(sf_clamp_min=1e-40), ValueError, "sf_clamp_min must be"),
+        (dict(sf_clamp_min="1e-3"), TypeError, "sf_clamp_min must be a float or None, got str"),
+        (dict(sf_clamp_min=True), TypeError, "sf_clamp_min must be a float or None, got bool"),
+        (dict(sf_clamp_min=[1e-3]), TypeError, "sf_clamp_min must be a float or None, got list"),
+        (dict(sf_clamp_min=math.nan), ValueError, "sf_clamp_min must be a finite float"),
+        (dict(round_sf="no"), TypeError, "round_sf must be a bool, got 'no'"),
+        (dict(use_tma_aligned_col_major_sf=1), TypeError, "use_tma_aligned_col_major_sf must be a bool, got 1"),
+        (dict(use_packed_ue8m0="False"), TypeError, "use_packed_ue8m0 must be a bool, got 'False'"),
     ],
 )
 def test_forward_per_token_validation(kwargs, exc, match):
@@ -417,6 +424,8 @@ def _bwd_args(**kw):
         ),
         (dict(swiglu_clamp_value=0.0), ValueError, "swiglu_clamp_value must be a finite float > 0"),
         (dict(use_packed_ue8m0=True, use_tma_aligned_col_major_sf=True), ValueError, "round_sf=True"),
+        (dict(round_sf="no"), TypeError, "round_sf must be a bool, got 'no'"),
+        (dict(use_packed_ue8m0=0), TypeError, "use_packed_ue8m0 must be a bool, got 0"),
     ],
 )
 def test_backward_validation(kwargs, exc, match):
@@ -434,6 +443,9 @@ def test_backward_validation(kwargs, exc, match):
         (dict(num_per_tokens=64), ValueError, "num_per_tokens must be one of"),
         (dict(fmt="e5m6"), ValueError, "fmt must be one of"),
         (dict(swiglu_clamp_value=float("nan")), ValueError, "swiglu_clamp_value must be a finite float > 0"),
+        (dict(num_per_tokens=32.0), TypeError, r"num_per_tokens must be one of \(32, 128\), got 32.0 \(float\)"),
+        (dict(round_sf="no"), TypeError, "round_sf must be a bool, got 'no'"),
+        (dict(without_transpose="False"), TypeError, "without_transpose must be a bool, got 'False'"),
     ],
 )
 def test_per_channel_validation(kwargs, exc, match):

@@ -21,7 +21,7 @@ runtime values.
 import tilelang.language as T
 import torch
 
-from tk_core.checks import fail
+from tk_core.checks import check_positive_int, fail
 from tk_core.jit import kernel
 from tk_core.layout import vector_aligned
 from tk_core.library import device_op
@@ -186,6 +186,8 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt: str | None = None, out: 
     ``(T, H)`` output. See the module docstring for the math, layouts and errors.
     """
     op = "cast_back"
+    if not isinstance(fmt, str):  # (before the dict lookup: an unhashable value would fail there)
+        fail(op, "fmt", "a str, one of ('bf16', 'fp32')", f"{fmt!r} ({type(fmt).__name__})", TypeError)
     if fmt not in OUT_DTYPES:
         fail(op, "fmt", "one of ('bf16', 'fp32')", repr(fmt))
     if x_special_fmt not in (None, "e5m6"):
@@ -194,8 +196,6 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt: str | None = None, out: 
     q = check_quant_input(op, x, x_block_size, data_fmts=data_fmts)
     if q.h % 16:
         fail(op, "hidden", "a multiple of 16", q.h)
-    if x_special_fmt == "e5m6" and q.data.shape[1] % 3:
-        fail(op, "x[0] (data)", "of width 3*H/2 (packed E5M6)", f"shape {tuple(q.data.shape)}")
     dtype = OUT_DTYPES[fmt]
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -219,6 +219,7 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt: str | None = None, out: 
 def per_token_cast_back(x, fmt: str, num_per_channels: int, x_special_fmt: str | None = None,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """``cast_back(x, fmt, (1, num_per_channels), x_special_fmt)``."""
+    check_positive_int("per_token_cast_back", "num_per_channels", num_per_channels)
     return cast_back(x, fmt, (1, num_per_channels), x_special_fmt, out=out)
 
 

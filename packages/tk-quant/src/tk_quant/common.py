@@ -8,10 +8,11 @@ API (import from ``tk_quant.common``):
 - ``data_fmt(data)``: ``"e4m3"`` / ``"e2m1"`` / ``"e5m6"`` from a data tensor's dtype.
 - ``logical_hidden(data)`` / ``physical_hidden(fmt, h)``: FP4 data has ``h/2`` bytes per row, E5M6 ``3h/2``.
 - ``amax_clamp(fmt, use_e4m3_sf)``: the amax floor (``tk_core.config``) of an output format.
-- ``sf_out_layout(op, col, packed, round_sf, use_e4m3_sf)``: the flags -> ``"row"|"col"|"packed"``, rejecting
-  packed without col-major or without ``round_sf`` and e4m3 scales with ``round_sf`` or packing.
+- ``sf_out_layout(op, col, packed, round_sf, use_e4m3_sf)``: the flags (Python bools) -> ``"row"|"col"|"packed"``,
+  rejecting packed without col-major or without ``round_sf`` and e4m3 scales with ``round_sf`` or packing.
 - ``stochastic_seed(op, fmt, stochastic_rounding, seed)``: the checked 32-bit seed of a cast with stochastic
-  rounding (``None`` without it); ``seed=None`` draws one from torch's default CPU generator.
+  rounding (``None`` without it; the flag a Python bool); ``seed=None`` draws one from torch's default CPU generator.
+- ``check_block_pair(op, arg, block)``: ``block`` as a pair of ints ``(bm, bk)`` (not bools), else ``TypeError``.
 - ``alloc_data(fmt, t, h, device)``: the contiguous data output of a cast; ``data_out(op, out, fmt, t, h,
   device)``: that, or the caller's preallocated ``out`` once checked (dtype, shape, contiguous, 16-byte aligned,
   device); ``data_from_reference(op, out, data, fmt, t, h, device)``: the reference's data, or ``out`` holding it.
@@ -26,7 +27,8 @@ API (import from ``tk_quant.common``):
   returns a ``QuantInput`` (fmt, logical T and H, block, SF kind). Column-major SF means
   ``stride(0) == 1 and stride(1) != 1`` (``tk_core.layout.sf_layout_of``), so a row-major ``(N, 1)`` is row-major.
 - ``dequantize(q)``: the float32 values ``decode(data) * sf`` of a ``QuantInput`` (reference use).
-- ``unpack_from_e2m1fn_x2(x, out_dtype=torch.float32)``: public FP4 decoder, ``(..., K)`` bytes -> ``(..., 2K)``.
+- ``unpack_from_e2m1fn_x2(x, out_dtype=torch.float32)``: public FP4 decoder, ``(..., K)`` bytes -> ``(..., 2K)``
+  of a floating dtype in ``UNPACK_DTYPES``.
 - ``scratch(device, dtype, n=16)``: a cached tensor for a kernel argument whose contents nobody reads.
 """
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from tk_core import config
-from tk_core.checks import check_dtype, check_ndim, fail
+from tk_core.checks import check_bool, check_dtype, check_ndim, fail
 from tk_core.formats import FORMAT_MAX, SR_FORMATS, decode_e2m1, unpack_e2m1
 from tk_core.layout import align, alloc_sf, ceil_div, sf_layout, sf_layout_of, sf_to_row_major
 
@@ -44,6 +46,7 @@ QuantTensor = tuple[torch.Tensor, torch.Tensor]
 FMT_DTYPE = {"e4m3": torch.float8_e4m3fn, "e2m1": torch.int8, "e5m6": torch.uint8}
 FMT_MAX = dict(FORMAT_MAX)
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+UNPACK_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # hold every e2m1 value exactly
 _DATA_FMT = {torch.float8_e4m3fn: "e4m3", torch.int8: "e2m1", torch.uint8: "e5m6"}
 
 
@@ -73,15 +76,20 @@ def amax_clamp(fmt: str, use_e4m3_sf: bool = False) -> float:
 
 
 def sf_out_layout(op: str, col: bool, packed: bool, round_sf: bool, use_e4m3_sf: bool = False) -> str:
+    check_bool(op, "use_tma_aligned_col_major_sf", col)
+    check_bool(op, "use_packed_ue8m0", packed)
+    check_bool(op, "round_sf", round_sf)
+    check_bool(op, "use_e4m3_sf", use_e4m3_sf)
     if use_e4m3_sf:
         if round_sf:
             fail(op, "round_sf", "False when use_e4m3_sf=True (e4m3 scales are not powers of two)", True)
         if packed:
             fail(op, "use_packed_ue8m0", "False when use_e4m3_sf=True", True)
-    return sf_layout(op, bool(col), bool(packed), bool(round_sf))
+    return sf_layout(op, col, packed, round_sf)
 
 
 def stochastic_seed(op: str, fmt: str, stochastic_rounding: bool, seed) -> int | None:
+    check_bool(op, "stochastic_rounding", stochastic_rounding)
     if not stochastic_rounding:
         if seed is not None:
             fail(op, "seed", "None unless stochastic_rounding=True", seed)
@@ -172,30 +180,41 @@ class QuantInput:
         return ceil_div(self.h, self.block[1])
 
 
+def check_block_pair(op: str, arg: str, block) -> tuple[int, int]:
+    """``block`` as ``(bm, bk)``: a tuple or list of two ints (not bools; a float or a string is not truncated
+    or parsed), else ``TypeError``. The values are the caller's to check."""
+    if (
+        not isinstance(block, (tuple, list))
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in block)
+    ):
+        fail(op, arg, "a pair of ints (bm, bk)", repr(block), TypeError)
+    bm, bk = block
+    return bm, bk
+
+
 def check_quant_input(op: str, x, x_block_size, data_fmts=("e4m3", "e2m1")) -> QuantInput:
     """Validates ``x = (data, sf)`` with block ``x_block_size = (bm, bk)``; returns a ``QuantInput``."""
     if not (isinstance(x, (tuple, list)) and len(x) == 2):
-        fail(op, "x", "a tensor or a QuantTensor (data, sf)", type(x).__name__, TypeError)
+        fail(op, "x", "a QuantTensor (data, sf)", type(x).__name__, TypeError)
     data, sf = x
     allowed = tuple(FMT_DTYPE[f] for f in data_fmts)
     check_dtype(op, "x[0] (data)", data, allowed)
     check_ndim(op, "x[0] (data)", data, 2)
+    if data.dtype == torch.uint8 and data.shape[1] % 3:  # before any shape derived from the logical hidden size
+        fail(op, "x[0] (data)", "of width 3*H/2 (packed E5M6)", f"shape {tuple(data.shape)}")
     check_dtype(op, "x[1] (sf)", sf, (torch.float32, torch.int32, torch.float8_e4m3fn))
     check_ndim(op, "x[1] (sf)", sf, 2)
     if x_block_size is None:
         fail(op, "x_block_size", "a (bm, bk) tuple for a QuantTensor input", None)
-    if (
-        not isinstance(x_block_size, (tuple, list))
-        or len(x_block_size) != 2
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in x_block_size)
-    ):
+    bm, bk = check_block_pair(op, "x_block_size", x_block_size)
+    if bm <= 0 or bk <= 0:
         fail(op, "x_block_size", "a tuple of two positive ints", repr(x_block_size))
     if data.shape[-1] and data.stride(-1) != 1:
         fail(op, "x[0] (data)", "unit-stride in its last dimension", f"strides {tuple(data.stride())}")
     if sf.device != data.device:
         fail(op, "x[1] (sf)", f"on device {data.device}", f"device {sf.device}")
     fmt = data_fmt(data)
-    bm, bk = (int(b) for b in x_block_size)
     t, h = data.shape[0], logical_hidden(data)
     nm, nk = ceil_div(t, bm), ceil_div(h, bk)
     kind = sf_kind(sf)
@@ -228,10 +247,13 @@ def unpack_from_e2m1fn_x2(x: torch.Tensor, out_dtype: torch.dtype = torch.float3
 
     Output element ``2j`` comes from the low nibble of byte ``j`` and ``2j+1`` from the high nibble; a nibble
     ``s e1 e0 m`` decodes to ``(-1)^s * 0.5 * m`` when ``e == 0``, else ``(-1)^s * 2^(e-1) * (1 + m/2)``.
-    Raises TypeError for other dtypes and ValueError for a 0-d tensor.
+    ``out_dtype`` is one of ``UNPACK_DTYPES`` (float32, bfloat16, float16, float64: each holds every value exactly).
+    Raises TypeError for other dtypes of ``x`` or ``out_dtype`` and ValueError for a 0-d tensor.
     """
     op = "unpack_from_e2m1fn_x2"
     check_dtype(op, "x", x, (torch.int8, torch.uint8))
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in UNPACK_DTYPES:
+        fail(op, "out_dtype", f"one of {UNPACK_DTYPES}", repr(out_dtype), TypeError)
     if x.dim() == 0:
         fail(op, "x", "at least 1-D", "a 0-d tensor")
     return decode_e2m1(unpack_e2m1(x)).to(out_dtype)

@@ -95,12 +95,15 @@ def cast(x: torch.Tensor, dtype: torch.dtype, stochastic_rounding: bool = False,
     op = "cast"
     if not isinstance(x, torch.Tensor):
         fail(op, "x", "a torch.Tensor", type(x).__name__, TypeError)
+    if not isinstance(dtype, torch.dtype):  # (before the dict lookup: an unhashable value would fail there)
+        fail(op, "dtype", "a torch.dtype", f"{dtype!r} ({type(dtype).__name__})", TypeError)
     if (x.dtype, dtype) not in _PAIRS:
         pairs = ", ".join(f"{_NAMES[a]} -> {_NAMES[b]}" for a, b in _PAIRS)
         fail(op, "(x.dtype, dtype)", f"one of {pairs}", f"{x.dtype} -> {dtype}", TypeError)
     seed = stochastic_seed(op, _PAIRS[(x.dtype, dtype)], stochastic_rounding, seed)
     if x.device.type != "cuda":
-        return reference.elementwise_cast(x, dtype, stochastic_seed=seed)
+        # the reference keeps x's strides; the result is contiguous on every device, like the kernel's
+        return reference.elementwise_cast(x, dtype, stochastic_seed=seed).contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if x.numel():
         cast_(vector_aligned(x.reshape(-1)), out.view(-1), seed is not None, seed or 0)

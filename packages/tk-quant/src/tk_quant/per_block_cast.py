@@ -35,11 +35,11 @@ import torch
 from tk_core import checks
 from tk_core.config import get_amax_clamp
 from tk_core.jit import kernel
-from tk_core.layout import align, ceil_div, sf_layout
+from tk_core.layout import align, ceil_div
 from tk_core.library import device_op
 
 from . import _tl
-from .common import data_from_reference, data_out
+from .common import check_block_pair, data_from_reference, data_out, sf_out_layout
 
 OP = "per_block_cast"
 _IN_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -214,9 +214,7 @@ def _check(op: str, x, fmt, block_size) -> tuple[int, int]:
     checks.check_contiguous(op, "x", x)
     checks.check_divisible(op, "x.shape[1] (hidden)", x.shape[1], 64)
     checks.check_one_of(op, "fmt", fmt, ("e4m3", "e2m1"))
-    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
-        checks.fail(op, "block_size", "a pair (bm, bk)", repr(block_size), TypeError)
-    bm, bk = (int(b) for b in block_size)
+    bm, bk = check_block_pair(op, "block_size", block_size)
     checks.check_one_of(op, "block_size[0]", bm, (32, 128))
     checks.check_one_of(op, "block_size[1]", bk, (32, 128))
     return bm, bk
@@ -243,7 +241,7 @@ def per_block_cast(
     Raises ``TypeError``/``ValueError`` on invalid inputs.
     """
     bm, bk = _check(OP, x, fmt, block_size)
-    layout = sf_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    layout = sf_out_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     t, h = x.shape
     if x.device.type != "cuda":
         from . import reference
@@ -272,7 +270,7 @@ def per_block_cast_with_sf_only(
     Same arguments, checks and layouts as ``per_block_cast``."""
     op = "per_block_cast_with_sf_only"
     bm, bk = _check(op, x, fmt, block_size)
-    layout = sf_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     if x.device.type != "cuda":
         from . import reference
 
@@ -307,6 +305,9 @@ def per_block_cast_with_precomputed_sf(
     """
     op = "per_block_cast_with_precomputed_sf"
     bm, bk = _check(op, x, fmt, block_size)
+    checks.check_bool(op, "use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf)
+    checks.check_bool(op, "round_sf", round_sf)
+    checks.check_bool(op, "use_packed_ue8m0", use_packed_ue8m0)
     if use_tma_aligned_col_major_sf or use_packed_ue8m0:
         checks.fail(op, "use_tma_aligned_col_major_sf/use_packed_ue8m0", "False (sf is row-major fp32)", "True")
     t, h = x.shape

@@ -48,11 +48,11 @@ import torch
 
 from tk_core import checks, config, hostmem
 from tk_core.jit import kernel
-from tk_core.layout import align, ceil_div, is_power_of_two, sf_layout
+from tk_core.layout import align, ceil_div, is_power_of_two
 from tk_core.library import device_op
 
 from . import _tl
-from .common import scratch
+from .common import check_block_pair, check_quant_input, scratch, sf_out_layout
 from .per_block_cast import alloc_sf_storage
 
 OP = "per_block_cast_lossless"
@@ -402,9 +402,7 @@ def per_block_cast_lossless_(
 
 
 def _check_block(op: str, arg: str, block) -> tuple[int, int]:
-    if not isinstance(block, (tuple, list)) or len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) for b in block):
-        checks.fail(op, arg, "a pair of ints (bm, bk)", repr(block), TypeError)
-    bm, bk = block
+    bm, bk = check_block_pair(op, arg, block)
     if not (is_power_of_two(bm) and is_power_of_two(bk)):
         checks.fail(op, arg, "powers of two", repr(tuple(block)))
     return bm, bk
@@ -440,10 +438,10 @@ def per_block_cast_lossless(
     synchronise (CUDA graphs); the count of offending 32-column row segments is added to ``error_count``
     (int32 ``(1,)``, zeroed by the caller) when it is given.
     """
-    from .common import check_quant_input
-
     if fmt != "e4m3":
         checks.fail(OP, "fmt", "'e4m3'", repr(fmt))
+    checks.check_bool(OP, "round_sf", round_sf)
+    checks.check_bool(OP, "check", check)
     if not round_sf:
         checks.fail(OP, "round_sf", "True (lossless output scales are always powers of two)", round_sf)
     q = check_quant_input(OP, x, x_block_size, data_fmts=("e2m1",))
@@ -460,7 +458,7 @@ def per_block_cast_lossless(
     if sf_in.dtype not in (torch.float32, torch.int32):
         checks.fail(OP, "x[1] (sf)", "float32 or packed UE8M0 int32 power-of-two scales", sf_in.dtype, TypeError)
     checks.check_same_device(OP, "x[1] (sf)", sf_in, data.device)
-    layout = sf_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, True)
+    layout = sf_out_layout(OP, use_tma_aligned_col_major_sf, use_packed_ue8m0, True)
     if error_count is not None:
         checks.check_dtype(OP, "error_count", error_count, torch.int32)
         checks.check_shape(OP, "error_count", error_count, (1,))

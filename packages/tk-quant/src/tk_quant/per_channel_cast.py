@@ -562,9 +562,10 @@ def per_channel_cast_fused_(
 # --- public functions -----------------------------------------------------------------------------
 
 
-def _check_common(op: str, fmt: str, num_per_tokens: int, allowed=(128,)) -> None:
+def _check_common(op: str, fmt: str, num_per_tokens: int, round_sf: bool, allowed=(128,)) -> None:
     checks.check_one_of(op, "fmt", fmt, ("e4m3",))
     checks.check_one_of(op, "num_per_tokens", num_per_tokens, allowed)
+    checks.check_bool(op, "round_sf", round_sf)
 
 
 def _check_plain(op: str, x, dtypes=tuple(_IN_DTYPES)) -> None:
@@ -582,7 +583,7 @@ def per_channel_cast(x: torch.Tensor, fmt: str, num_per_tokens: int = 128, round
     ``reference.cast(x, 'e4m3', (128, 1), round_sf=round_sf)``.
     """
     op = "per_channel_cast"
-    _check_common(op, fmt, num_per_tokens)
+    _check_common(op, fmt, num_per_tokens, round_sf)
     _check_plain(op, x)
     if x.device.type != "cuda":
         from . import reference
@@ -606,7 +607,7 @@ def per_channel_cast_and_transpose(
     bit-exact with ``reference.cast(x, 'e4m3', (bm, 1), round_sf)`` with the data transposed.
     """
     op = "per_channel_cast_and_transpose"
-    _check_common(op, fmt, num_per_tokens, (32, 128))
+    _check_common(op, fmt, num_per_tokens, round_sf, (32, 128))
     _check_plain(op, x, (torch.bfloat16,))
     t, h = x.shape
     checks.check_divisible(op, "x.shape[0] (num_tokens)", t, 16)
@@ -643,14 +644,18 @@ def per_channel_cast_fused(
     (int32 ``(1,)``, zeroed by the caller) and their rows are zeros.
     """
     op = "per_channel_cast_fused"
-    _check_common(op, fmt, num_per_tokens)
+    _check_common(op, fmt, num_per_tokens, round_sf)
+    checks.check_bool(op, "check", check)
     if isinstance(x, (tuple, list)):
         if len(x) != 2:
             checks.fail(op, "x", "a tensor or a QuantTensor (data, sf)", f"a sequence of length {len(x)}", TypeError)
-        if num_per_channels != 128:
-            checks.fail(op, "num_per_channels", "128 for a QuantTensor input", num_per_channels)
+        if num_per_channels is None:
+            checks.fail(op, "num_per_channels", "128 for a QuantTensor input", None)
+        checks.check_one_of(op, "num_per_channels", num_per_channels, (128,))
         data, x_sf = x
-        _check_plain(op, data, (torch.float8_e4m3fn,))
+        checks.check_dtype(op, "x[0] (data)", data, torch.float8_e4m3fn)
+        checks.check_ndim(op, "x[0] (data)", data, 2)
+        checks.check_contiguous(op, "x[0] (data)", data)
         checks.check_divisible(op, "x[0].shape[1] (hidden)", data.shape[1], 128)
         checks.check_dtype(op, "x[1] (sf)", x_sf, torch.float32)
         checks.check_shape(op, "x[1] (sf)", x_sf, (data.shape[0], data.shape[1] // 128))
@@ -672,6 +677,7 @@ def per_channel_cast_fused(
     if error_count is not None:
         checks.check_dtype(op, "error_count", error_count, torch.int32)
         checks.check_shape(op, "error_count", error_count, (1,))
+        checks.check_same_device(op, "error_count", error_count, data.device)
     if data.device.type != "cuda":
         from . import reference
 

@@ -44,7 +44,7 @@ The token count and all strides are runtime values (no recompile per batch size)
 import tilelang.language as T
 import torch
 
-from tk_core.checks import check_dtype, check_ndim, fail
+from tk_core.checks import check_bool, check_dtype, check_ndim, check_positive_int, fail
 from tk_core.formats import int32_bits
 from tk_core.jit import MAX_SMEM_PER_BLOCK, blocks_per_sm, kernel
 from tk_core.layout import ceil_div, sf_to_row_major, vector_aligned
@@ -478,8 +478,7 @@ _OPS = ("per_token_cast", "per_token_cast_with_sf_only", "per_token_cast_with_pr
 def _check_common(op, x, fmt, num_per_channels, x_block_size, col, round_sf, packed, use_e4m3_sf, fmts):
     if fmt not in fmts:
         fail(op, "fmt", f"one of {fmts}", repr(fmt))
-    if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool):
-        fail(op, "num_per_channels", "an int", type(num_per_channels).__name__, TypeError)
+    check_positive_int(op, "num_per_channels", num_per_channels)
     quant = isinstance(x, (tuple, list))
     if quant:
         q = check_quant_input(op, x, x_block_size)
@@ -536,8 +535,11 @@ def per_token_cast(
     if fmt == "e5m6":
         from .per_token_cast_e5m6 import per_token_cast_to_e5m6
 
-        if x_block_size is not None or isinstance(x, (tuple, list)):
+        if isinstance(x, (tuple, list)):
             fail(op, "x", "a bf16/fp32 tensor for fmt='e5m6'", "a QuantTensor")
+        if x_block_size is not None:
+            fail(op, "x_block_size", "None for a plain tensor input", repr(x_block_size))
+        check_bool(op, "use_e4m3_sf", use_e4m3_sf)
         if use_e4m3_sf:
             fail(op, "use_e4m3_sf", "False for fmt='e5m6'", True)
         return per_token_cast_to_e5m6(x, num_per_channels, use_tma_aligned_col_major_sf, round_sf, use_packed_ue8m0, out=out)

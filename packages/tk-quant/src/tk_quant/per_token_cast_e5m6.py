@@ -17,7 +17,7 @@ CPU tensors run ``tk_quant.reference.cast_to_e5m6``.
 
 import torch
 
-from tk_core.checks import check_dtype, check_ndim, fail
+from tk_core.checks import check_dtype, check_ndim, check_positive_int, fail
 
 from . import reference
 from .common import alloc_sf_out, amax_clamp, data_from_reference, data_out, sf_out_layout
@@ -43,6 +43,7 @@ def per_token_cast_to_e5m6(
     t, h = x.shape
     if h % 16:
         fail(op, "hidden", "a multiple of 16", h)
+    check_positive_int(op, "num_per_channels", num_per_channels)
     if num_per_channels != h and (num_per_channels not in (16, 32, 64, 128) or h % num_per_channels):
         fail(op, "num_per_channels", f"the hidden size {h} or one of (16, 32, 64, 128) dividing it", num_per_channels)
     layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)

@@ -68,7 +68,7 @@ import torch
 from tk_core import checks
 from tk_core.config import get_amax_clamp
 from tk_core.jit import arch_of, blocks_per_sm, kernel
-from tk_core.layout import align, ceil_div, sf_layout
+from tk_core.layout import align, ceil_div
 from tk_core.library import device_op
 from tk_core.ptx import (
     DIV_FAST,
@@ -87,7 +87,7 @@ from tk_core.ptx import (
 )
 
 from . import _tl
-from .common import scratch
+from .common import scratch, sf_out_layout
 from .per_block_cast import alloc_sf_storage
 from .reference import wgrad_spans
 
@@ -1395,7 +1395,7 @@ def swiglu_forward_and_per_token_cast(
     if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool):
         checks.fail(op, "num_per_channels", "an int", type(num_per_channels).__name__, TypeError)
     checks.check_one_of(op, "num_per_channels", num_per_channels, sorted(set(GROUPS) | {h}))
-    layout = sf_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     if num_per_channels > 128 and layout != "row":
         checks.fail(op, "use_tma_aligned_col_major_sf", "False with one scale per row (num_per_channels == H)", True)
     if pos_to_token_topk is not None:
@@ -1425,6 +1425,8 @@ def swiglu_forward_and_per_token_cast(
     if sf_clamp_min is None:
         clamp_min = get_amax_clamp("e4m3")
     else:
+        if not isinstance(sf_clamp_min, (int, float)) or isinstance(sf_clamp_min, bool):
+            checks.fail(op, "sf_clamp_min", "a float or None", type(sf_clamp_min).__name__, TypeError)
         clamp_min = float(sf_clamp_min)
         if not (math.isfinite(clamp_min) and clamp_min >= E4M3_MAX * 2.0**-126):
             checks.fail(
@@ -1530,7 +1532,7 @@ def swiglu_backward_and_per_token_cast(
     checks.check_shape(op, "token_topk_to_pos", token_topk_to_pos, tuple(weight.shape))
     checks.check_same_device(op, "token_topk_to_pos", token_topk_to_pos, xq.device)
     clamp = _check_clamp(op, swiglu_clamp_value)
-    layout = sf_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
+    layout = sf_out_layout(op, use_tma_aligned_col_major_sf, use_packed_ue8m0, round_sf)
     clamp_min = get_amax_clamp("e4m3")
     if xq.device.type != "cuda":
         from . import reference
@@ -1597,6 +1599,8 @@ def swiglu_forward_and_per_channel_cast_and_transpose(
     checks.check_one_of(op, "fmt", fmt, ("e4m3",))
     checks.check_one_of(op, "num_per_tokens", num_per_tokens, (32, 128))
     checks.check_divisible(op, "x.shape[0] (tokens)", t, num_per_tokens)
+    checks.check_bool(op, "round_sf", round_sf)
+    checks.check_bool(op, "without_transpose", without_transpose)
     clamp = _check_clamp(op, swiglu_clamp_value)
     clamp_min = get_amax_clamp("e4m3")
     if x.device.type != "cuda":
