@@ -324,7 +324,7 @@ CHAN = tk_quant.swiglu_forward_and_per_channel_cast_and_transpose
         (dict(x=torch.randn(4, 2 * 192).bfloat16()), ValueError, "hidden .* multiple of 128"),
         (dict(fmt="e2m1"), ValueError, "fmt must be one of"),
         (dict(num_per_channels=16), ValueError, "num_per_channels must be one of"),
-        (dict(num_per_channels=128.0), TypeError, "num_per_channels must be an int"),
+        (dict(num_per_channels=128.0), TypeError, r"num_per_channels must be one of .*, got 128.0 \(float\)"),
         (dict(use_packed_ue8m0=True, use_tma_aligned_col_major_sf=True), ValueError, "round_sf=True"),
         (dict(use_packed_ue8m0=True, round_sf=True), ValueError, "use_tma_aligned_col_major_sf"),
         (
