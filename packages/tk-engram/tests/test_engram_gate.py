@@ -276,6 +276,46 @@ def test_validation_errors():
     _bad(lambda: tk_engram.fused_weight(wh.int(), we), TypeError, "fused_weight: weight_hidden must be of dtype")
 
 
+def test_non_tensor_arguments_raise_type_errors():
+    x, k, v, wh, we = _inputs(3, 4, 128)
+    w = reference.fused_weight_ref(wh, we)
+    _bad(lambda: tk_engram.fused_weight(wh.tolist(), we), TypeError, "fused_weight: weight_hidden must be a torch.Tensor, got list")
+    _bad(lambda: tk_engram.fused_weight(wh, None), TypeError, "fused_weight: weight_embed must be a torch.Tensor, got NoneType")
+    f = tk_engram.engram_gate_fwd
+    _bad(lambda: f(x.tolist(), k, v, w, EPS, CLAMP), TypeError, "engram_gate_fwd: hidden_states must be a torch.Tensor, got list")
+    _bad(lambda: f(x, None, v, w, EPS, CLAMP), TypeError, "engram_gate_fwd: k must be a torch.Tensor, got NoneType")
+    saved = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP)[1:]
+    _bad(lambda: tk_engram.engram_gate_bwd(x.tolist(), x, k, v, w, *saved, CLAMP), TypeError, "engram_gate_bwd: grad_out must be a torch.Tensor")
+    acc = torch.zeros(4, 128)
+    _bad(lambda: tk_engram.grad_w_reduce(torch.zeros(1, 4, 128), None, we, acc, acc), TypeError, "grad_w_reduce: weight_hidden must be a torch.Tensor")
+    for requires_grad in (False, True):
+        xr = x.float().requires_grad_(requires_grad)
+        g = tk_engram.engram_gate
+        _bad(lambda: g(xr.tolist(), k, v, wh, we, CLAMP, EPS), TypeError, "engram_gate: hidden_states must be a torch.Tensor, got list")
+        _bad(lambda: g(xr, None, v, wh, we, CLAMP, EPS), TypeError, "engram_gate: k must be a torch.Tensor, got NoneType")
+        _bad(lambda: g(xr, k, v, wh, None, CLAMP, EPS), TypeError, "engram_gate: weight_embed must be a torch.Tensor, got NoneType")
+        _bad(lambda: g(xr, k, v, wh, we, CLAMP, EPS, [True]), TypeError, "engram_gate: image_token_mask must be a torch.Tensor, got list")
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_engram_gate_checks_the_layout_before_flattening(requires_grad):
+    b, t, n, h = 2, 3, 4, 64
+    x, k, v, wh, we = _inputs(b * t, n, h, torch.float64)
+    x, k, v = x.view(b, t, n, h).requires_grad_(requires_grad), k.view(b, t, n, h), v.view(b, t, h)
+    g = lambda *a, mask=None: tk_engram.engram_gate(*a, CLAMP, EPS, mask)  # noqa: E731
+    # the same element counts as the right shapes: a reshape alone would reinterpret them
+    _bad(lambda: g(x, k.reshape(b, n, t, h), v, wh, we), ValueError, r"engram_gate: k must be of shape \(2, 3, 4, 64\), got shape \(2, 4, 3, 64\)")
+    _bad(lambda: g(x, k.reshape(b, t, 2 * n, h // 2), v, wh, we), ValueError, r"engram_gate: k must be of shape \(2, 3, 4, 64\)")
+    _bad(lambda: g(x, k, v.reshape(t, b, h), wh, we), ValueError, r"engram_gate: v must be of shape \(2, 3, 64\), got shape \(3, 2, 64\)")
+    _bad(lambda: g(x, k, v.reshape(b, t, 2, h // 2), wh, we), ValueError, r"engram_gate: v must be of shape \(2, 3, 64\)")
+    _bad(lambda: g(x, k, v[..., :32], wh, we), ValueError, r"engram_gate: v must be of shape \(2, 3, 64\)")
+    mask = torch.zeros(t, b, dtype=torch.bool)
+    _bad(lambda: g(x, k, v, wh, we, mask=mask), ValueError, r"engram_gate: image_token_mask must be of shape \(2, 3\), got shape \(3, 2\)")
+    # the packed kv of the contract (k = kv[..., :n, :], v = kv[..., n, :]) has the right shapes
+    kv = torch.cat([k, v[:, :, None]], dim=2)
+    torch.testing.assert_close(g(x, kv[:, :, :n], kv[:, :, n], wh, we), g(x, k, v, wh, we), rtol=0, atol=0)
+
+
 # --- compile tier -------------------------------------------------------------------------------------
 
 HIDDENS = [7168, 576]  # the anchor size and a partial last vector tile

@@ -47,6 +47,14 @@ def _python_hash(ids, mult, vocab, offsets):
 def test_make_offsets():
     vocab = torch.tensor([[[3, 5], [7, 11]], [[1, 2], [4, 8]]], dtype=torch.int32)
     assert_equal(reference.make_offsets(vocab), torch.tensor([[0, 3, 8, 15], [0, 1, 3, 7]], dtype=torch.int32))
+    with pytest.raises(TypeError, match="make_offsets: vocab_sizes must be a torch.Tensor, got list"):
+        reference.make_offsets(vocab.tolist())
+    # 2**31 rows in one layer: int32 offsets would wrap negative
+    vocab = torch.tensor([[[2**30, 2**30], [2**30, 1]], [[1, 2], [4, 8]]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="make_offsets: vocab_sizes must be at most 2147483647 rows per layer"):
+        tk_engram.make_offsets(vocab)
+    vocab = torch.tensor([[[2**30, 2**30 - 1]]], dtype=torch.int32)  # 2**31 - 1 rows: the largest that fits
+    assert_equal(reference.make_offsets(vocab), torch.tensor([[0, 2**30]], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("n", [2, 3, 5])
@@ -91,6 +99,11 @@ def test_public_on_cpu_and_validation():
         tk_engram.engram_hash(ids, mult, vocab, offsets[:, :8])
     with pytest.raises(ValueError, match="N >= 2"):
         tk_engram.engram_hash(ids[:, :1], mult[:, :1], vocab[:, :0], offsets[:, :0])
+    for bad in (0, -7):  # a zero size divides by zero, a negative one gives negative row ids
+        vocab_bad = vocab.clone()
+        vocab_bad[1, 0, 3] = bad
+        with pytest.raises(ValueError, match=f"engram_hash: vocab_sizes must be positive, got minimum {bad}"):
+            tk_engram.engram_hash(ids, mult, vocab_bad, offsets)
 
 
 # --- compile tier -------------------------------------------------------------------------------------

@@ -203,8 +203,143 @@ def test_decode_validation_errors():
         engram_decode_step(e, h, st, pos.long(), W, W, *x[3:], dilation=2)
     with pytest.raises(ValueError, match="engram_decode_step: W_V must be of shape"):
         engram_decode_step(e, h, st, pos, W, W[:4], *x[3:], dilation=2)
-    with pytest.raises(ValueError, match="EngramDecodeFwdOp: eps must be a float >= 0"):
+    with pytest.raises(ValueError, match="EngramDecodeFwdOp: eps must be a finite float >= 0"):
         EngramDecodeFwdOp(eps=-1.0)
+    args = _decode_args()
+    with pytest.raises(TypeError, match="EngramDecodeFwdOp: advance must be a bool, got 'no'"):
+        EngramDecodeFwdOp()(*args, advance="no")
+    assert int(args[3].sum()) == 0  # nothing ran, cache_pos did not move
+
+
+def _decode_args(d=16, dtype=torch.bfloat16):
+    """[e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w]: 2 rows, 4 taps, an empty history."""
+    B, d_mem = 2, 8
+    _, _, _, wh, wv, cw = _inputs(1, 1, d, 4, dtype)
+    st, pos = init_decode_state(B, d, 4, dtype=dtype)
+    W = lambda: (0.2 * torch.randn(d_mem, d)).to(dtype)  # noqa: E731
+    return [torch.randn(B, d_mem).to(dtype), torch.randn(B, d).to(dtype), st, pos, W(), W(), wh, wv, cw]
+
+
+@pytest.mark.parametrize("target", [None, "torch"])
+def test_op_objects_validate_on_every_target(target):
+    x = list(_inputs(2, 5, 16, 4, torch.bfloat16))
+    fwd, bwd = EngramGateConvFwdOp(target=target), EngramGateConvBwdOp(target=target)
+    Y, _, *stats, _ = fwd(*x)
+    dY = torch.randn_like(Y)
+    for a, b in zip(fwd(*x), engram_gate_conv_fwd(*x), strict=True):
+        assert_equal(a, b)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_fwd: v must be of shape \(2, 5, 16\)"):
+        fwd(x[0], x[1], x[2][:1], *x[3:])  # would broadcast in the reference
+    with pytest.raises(TypeError, match="engram_gate_conv_fwd: H must be of dtype"):
+        fwd(*(t.int() for t in x[:3]), *x[3:])
+    with pytest.raises(ValueError, match=r"engram_gate_conv_bwd: alpha must be of shape \(2, 5\)"):
+        bwd(dY, *x, stats[0][:1], *stats[1:])
+    dec = EngramDecodeFwdOp(target=target)
+    args = _decode_args()
+    with pytest.raises(ValueError, match="engram_decode_step: conv_state must be of length >= dilation"):
+        dec(*args[:2], args[2][:, :2], *args[3:])
+    with pytest.raises(TypeError, match="engram_decode_step: cache_pos must be of dtype int32"):
+        dec(*args[:3], args[3].float(), *args[4:])
+    assert args[3].tolist() == [0, 0]  # nothing ran
+
+
+@pytest.mark.parametrize("target", [None, "torch", "tilelang"])
+def test_op_objects_reject_non_tensors(target):
+    x = list(_inputs(1, 4, 16, 4, torch.bfloat16))
+    with pytest.raises(TypeError, match="H must be a torch.Tensor, got list"):
+        EngramGateConvFwdOp(target=target)(x[0].tolist(), *x[1:])
+    with pytest.raises(TypeError, match="H must be a torch.Tensor, got NoneType"):
+        EngramGateConvBwdOp(target=target)(x[0], None, *x[1:], *torch.zeros(4, 1, 4))
+    args = _decode_args()
+    with pytest.raises(TypeError, match="h_t must be a torch.Tensor, got list"):
+        EngramDecodeFwdOp(target=target)(args[0], args[1].tolist(), *args[2:])
+    with pytest.raises(TypeError, match="EngramGateConvFwdOp: conv_w must be a torch.Tensor, got NoneType"):
+        EngramGateConvFwdOp(target=target)(*x[:5], None)
+
+
+def test_conv_w_shape_errors():
+    x = list(_inputs(1, 4, 16, 4, torch.bfloat16))
+    a = torch.zeros(1, 4)
+    scalar_w = torch.tensor(1.0).bfloat16()
+    with pytest.raises(ValueError, match=r"engram_gate_conv_fwd: conv_w must be 2-D, got shape \(\)"):
+        engram_gate_conv_fwd(*x[:5], scalar_w)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_bwd: conv_w must be 2-D, got shape \(\)"):
+        engram_gate_conv_bwd(x[0], *x[:5], scalar_w, a, a, a, a)
+    args = _decode_args()
+    with pytest.raises(ValueError, match=r"engram_decode_step: conv_w must be of shape \(\*, 16\), got shape \(\)"):
+        engram_decode_step(*args[:8], scalar_w)
+    with pytest.raises(ValueError, match="EngramGateConvFwdOp: conv_w must be 2-D"):
+        EngramGateConvFwdOp()(*x[:5], scalar_w)
+    with pytest.raises(ValueError, match="EngramGateConvBwdOp: conv_w must be 2-D"):
+        EngramGateConvBwdOp()(x[0], *x[:5], scalar_w, a, a, a, a)
+    with pytest.raises(ValueError, match="EngramDecodeFwdOp: conv_w must be 2-D"):
+        EngramDecodeFwdOp()(*args[:8], scalar_w)
+    # zero taps: the error names conv_w (not conv_kernel_size)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_fwd: conv_w must be of shape \(w >= 1, d\)"):
+        engram_gate_conv_fwd(*x[:5], x[5][:0])
+    with pytest.raises(ValueError, match=r"engram_gate_conv_bwd: conv_w must be of shape \(w >= 1, d\)"):
+        engram_gate_conv_bwd(x[0], *x[:5], x[5][:0], a, a, a, a)
+    with pytest.raises(ValueError, match=r"engram_decode_step: conv_w must be of shape \(w >= 1, d\)"):
+        engram_decode_step(*args[:8], args[8][:0])
+
+
+@pytest.mark.parametrize("eps,exc", [("1e-6", TypeError), (None, TypeError), (True, TypeError),
+                                     (math.inf, ValueError), (math.nan, ValueError), (-1.0, ValueError)])
+def test_eps_errors(eps, exc):
+    x = _inputs(1, 4, 16, 4, torch.bfloat16)
+    with pytest.raises(exc, match="engram_gate_conv_fwd: eps must be a"):
+        engram_gate_conv_fwd(*x, eps=eps)
+    with pytest.raises(exc, match="engram_decode_step: eps must be a"):
+        engram_decode_step(*_decode_args(), eps=eps)
+    for op in (EngramGateConvFwdOp, EngramGateConvBwdOp, EngramDecodeFwdOp):
+        with pytest.raises(exc, match=f"{op.__name__}: eps must be a"):
+            op(eps=eps)
+
+
+def test_zero_width_rows_rejected():
+    x = _inputs(2, 3, 0, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_fwd: H must be of shape \(M, T, d\) with d >= 1"):
+        engram_gate_conv_fwd(*x)
+    a = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_bwd: H must be of shape \(M, T, d\) with d >= 1"):
+        engram_gate_conv_bwd(x[0], *x, a, a, a, a)
+    with pytest.raises(ValueError, match=r"engram_decode_step: h_t must be of shape \(B, d\) with d >= 1"):
+        engram_decode_step(*_decode_args(d=0))
+
+
+def test_bwd_errors_name_dY():
+    x = list(_inputs(1, 4, 16, 4, torch.bfloat16))
+    a = torch.zeros(1, 4)
+    with pytest.raises(TypeError, match="engram_gate_conv_bwd: dY must be of dtype torch.bfloat16 like H, got"):
+        engram_gate_conv_bwd(x[0].half(), *x, a, a, a, a)
+    with pytest.raises(ValueError, match=r"engram_gate_conv_bwd: dY must be of shape \(1, 4, 16\), got"):
+        engram_gate_conv_bwd(x[0][:, :2], *x, a, a, a, a)
+
+
+def test_init_decode_state_errors():
+    with pytest.raises(ValueError, match="init_decode_state: batch must be a non-negative int, got -1"):
+        init_decode_state(-1, 16)
+    with pytest.raises(ValueError, match="init_decode_state: d must be a non-negative int, got -8"):
+        init_decode_state(2, -8)
+    with pytest.raises(TypeError, match="init_decode_state: batch must be a non-negative int, got 2.5"):
+        init_decode_state(2.5, 16)
+    with pytest.raises(ValueError, match="init_decode_state: conv_kernel_size must be a positive int, got 0"):
+        init_decode_state(2, 16, 0)
+    for dilation in (0, -1):
+        with pytest.raises(ValueError, match="init_decode_state: dilation must be a positive int"):
+            init_decode_state(2, 16, 4, dilation)
+    with pytest.raises(TypeError, match="init_decode_state: dilation must be a positive int, got True"):
+        init_decode_state(2, 16, 4, True)
+    st, pos = init_decode_state(0, 0)
+    assert st.shape == (0, 3, 0) and pos.shape == (0,)
+
+
+def test_decode_rejects_an_overlapping_state_on_cpu():
+    args = _decode_args(dtype=torch.float32)
+    expanded = torch.zeros(1, 3, 16).expand(2, 3, 16)  # both rows' cache in one memory
+    with pytest.raises(ValueError, match="engram_decode_step: conv_state must be contiguous"):
+        engram_decode_step(*args[:2], expanded, *args[3:])
+    assert not expanded.any()
 
 
 def test_decode_plan_cpu():

@@ -57,7 +57,17 @@ from tk_core.library import device_op
 
 from . import reference
 from ._gate_conv_kernels import _CLUSTER, SILU_APPROX, VEC, add_row_sums, cluster_sync
-from .gate_conv import _CPU_DTYPES, _TL_DTYPES, _aligned, _check_params, _check_target, _resolve_target
+from .gate import _check_scalar
+from .gate_conv import (
+    _CPU_DTYPES,
+    _TL_DTYPES,
+    _aligned,
+    _check_dilation,
+    _check_params,
+    _check_taps,
+    _check_target,
+    _use_reference,
+)
 
 # CTAs per batch row in the step kernel (a thread block cluster): 8 SMs instead of 1 load a row at small batch.
 STEP_CLUSTER = 8
@@ -1187,6 +1197,13 @@ def decode_roofline_bytes(B: int, d_mem: int, d: int, taps: int, elem: int = 2) 
 def init_decode_state(batch: int, d: int, conv_kernel_size: int = 4, dilation: int = 1, *,
                       dtype=torch.bfloat16, device=None):
     """An empty decode history: (zero cache (batch, dilation*(w-1), d), cache_pos zeros (batch,) int32)."""
+    op = "init_decode_state"
+    for name, size in (("batch", batch), ("d", d)):
+        wrong_type = not isinstance(size, int) or isinstance(size, bool)
+        if wrong_type or size < 0:
+            checks.fail(op, name, "a non-negative int", repr(size), TypeError if wrong_type else ValueError)
+    checks.check_positive_int(op, "conv_kernel_size", conv_kernel_size)
+    checks.check_positive_int(op, "dilation", dilation)
     hist = dilation * (conv_kernel_size - 1)
     return (torch.zeros((batch, hist, d), dtype=dtype, device=device),
             torch.zeros((batch,), dtype=torch.int32, device=device))
@@ -1297,22 +1314,29 @@ def _decode_dev(
 
 
 def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w, *,
-                       dilation: int = 1, eps: float = 1e-6):
+                       dilation: int = 1, eps: float = 1e-6, use_reference: bool = False):
     """One fused Engram decode step (module docstring): returns y (B, d) and writes n into ``conv_state``.
 
-    e_t (B, d_mem), h_t (B, d), W_K/W_V (d_mem, d), rms_w_* (d,), conv_w (w, d), conv_state (B, L, d)
-    with L >= dilation*(w-1), all of one dtype (fp16/bf16; CPU also fp32/fp64); cache_pos (B,) int32 >= 0.
-    On CUDA d and d_mem must be multiples of 8 and conv_state contiguous (it is updated in place).
+    e_t (B, d_mem), h_t (B, d) with d >= 1, W_K/W_V (d_mem, d), rms_w_* (d,), conv_w (w, d), conv_state (B, L, d)
+    with L >= dilation*(w-1), contiguous (it is updated in place), all of one dtype (fp16/bf16; CPU also
+    fp32/fp64); cache_pos (B,) int32 >= 0. On CUDA d and d_mem must be multiples of 8 and conv_state 16-byte
+    aligned. ``use_reference`` runs the reference on any device (with the CPU's dtype rules; the op object's
+    target='torch').
     Limit: the one-launch kernels synchronise their CTAs through a counter workspace per device, so decode steps
     on one device must not run concurrently on two CUDA streams (one after another on any streams is fine).
     """
     op = "engram_decode_step"
-    _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, eps)
+    checks.check_bool(op, "use_reference", use_reference)
+    _check_dilation(op, dilation)
+    eps = _check_scalar(op, "eps", eps, positive=False)
     checks.check_tensor(op, "h_t", h_t)
-    allowed = tuple(_TL_DTYPES) if h_t.is_cuda else _CPU_DTYPES
+    kernel = h_t.is_cuda and not use_reference
+    allowed = tuple(_TL_DTYPES) if kernel else _CPU_DTYPES
     checks.check_dtype(op, "h_t", h_t, allowed)
     checks.check_ndim(op, "h_t", h_t, 2)
     B, d = h_t.shape
+    if d == 0:  # the RMS statistics would divide by zero
+        checks.fail(op, "h_t", "of shape (B, d) with d >= 1", f"shape {tuple(h_t.shape)}")
     checks.check_grid_extent(op, "h_t", B, "rows (dimension 0)", f"shape {tuple(h_t.shape)}")
     checks.check_dtype(op, "e_t", e_t, (h_t.dtype,))
     checks.check_ndim(op, "e_t", e_t, 2)
@@ -1336,20 +1360,21 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     for name, x in (("e_t", e_t), ("W_K", W_K), ("W_V", W_V), ("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v),
                     ("conv_w", conv_w), ("conv_state", conv_state), ("cache_pos", cache_pos)):
         checks.check_same_device(op, name, x, h_t.device)
-    if not h_t.is_cuda:
+    # updated in place on every path: the rows of an overlapping (e.g. expanded) state would overwrite each other
+    checks.check_contiguous(op, "conv_state", conv_state)
+    if not kernel:
         return reference.decode_step_ref(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w,
-                                         dilation, float(eps))
+                                         dilation, eps)
     checks.check_divisible(op, "d (the last dimension of h_t)", d, 8)
     checks.check_divisible(op, "d_mem (the last dimension of e_t)", d_mem, 8)
-    if not conv_state.is_contiguous() or (not torch.compiler.is_compiling() and conv_state.data_ptr() % 16):
-        checks.fail(op, "conv_state", "contiguous and 16-byte aligned (updated in place)",
-                    f"strides {tuple(conv_state.stride())}")
+    if not torch.compiler.is_compiling() and conv_state.data_ptr() % 16:  # the kernels' 16-byte vectors
+        checks.fail(op, "conv_state", "16-byte aligned", f"address {conv_state.data_ptr():#x}")
     y = torch.empty((B, d), dtype=h_t.dtype, device=h_t.device)
     if B == 0:
         return y
     part, sums = decode_scratch(B, d_mem, d, h_t.device, taps=conv_w.shape[0])
     _decode_dev(_aligned(e_t), _aligned(h_t), conv_state, _aligned(cache_pos), _aligned(W_K), _aligned(W_V),
-                _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w), part, sums, y, dilation, float(eps))
+                _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w), part, sums, y, dilation, eps)
     return y
 
 
@@ -1360,22 +1385,20 @@ class EngramDecodeFwdOp:
 
     def __init__(self, conv_kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6, *, target=None):
         op = type(self).__name__
-        _check_params(op, conv_kernel_size, dilation, eps)
+        eps = _check_params(op, conv_kernel_size, dilation, eps)
         _check_target(op, target)
-        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, float(eps), target
+        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, eps, target
 
     def init_state(self, batch: int, d: int, *, dtype=torch.bfloat16, device=None):
         return init_decode_state(batch, d, self.conv_kernel_size, self.dilation, dtype=dtype, device=device)
 
     def __call__(self, e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w, advance: bool = True):
         op = type(self).__name__
-        if isinstance(conv_w, torch.Tensor) and conv_w.shape[0] != self.conv_kernel_size:
-            checks.fail(op, "conv_w", f"of shape ({self.conv_kernel_size}, d)", f"shape {tuple(conv_w.shape)}")
-        args = (e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w)
-        if _resolve_target(op, self.target, h_t) or self.target is None:
-            y = engram_decode_step(*args, dilation=self.dilation, eps=self.eps)
-        else:
-            y = reference.decode_step_ref(*args, self.dilation, self.eps)
+        checks.check_bool(op, "advance", advance)
+        _check_taps(op, conv_w, self.conv_kernel_size)
+        y = engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w_v, conv_w,
+                               dilation=self.dilation, eps=self.eps,
+                               use_reference=_use_reference(op, self.target, "h_t", h_t))
         if advance:
             cache_pos.add_(1)
         return y

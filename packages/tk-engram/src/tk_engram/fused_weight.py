@@ -30,6 +30,7 @@ def _fused_weight_op(weight_hidden: torch.Tensor, weight_embed: torch.Tensor, ou
 def fused_weight(weight_hidden: torch.Tensor, weight_embed: torch.Tensor) -> torch.Tensor:
     """float(weight_hidden) * float(weight_embed): float32 (n, H) (see the module docstring)."""
     for name, t in (("weight_hidden", weight_hidden), ("weight_embed", weight_embed)):
+        checks.check_tensor(OP, name, t)  # before its device is read
         if t.device.type == "cuda":
             checks.check_dtype(OP, name, t, torch.bfloat16)
         else:

@@ -208,6 +208,7 @@ def _grad_w_reduce_op(
 
 
 def _check_float(op: str, arg: str, t: torch.Tensor, cuda_dtype: torch.dtype) -> None:
+    checks.check_tensor(op, arg, t)  # before its device is read
     if t.device.type == "cuda":
         checks.check_dtype(op, arg, t, cuda_dtype)
     else:

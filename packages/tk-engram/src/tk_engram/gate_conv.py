@@ -25,9 +25,10 @@ vhat is recomputed from v and alpha (not read). Weight gradients are float32, re
 a fixed order: deterministic, no atomics.
 
 Shapes and errors: H, k, v (M, T, d) of one dtype (fp16/bf16 on CUDA; CPU also float32/float64, which run
-the reference); d % 8 == 0 on CUDA (16-byte vectors); weights in H's dtype; conv_w (w, d) with w >= 1;
-dilation >= 1. Violations raise TypeError (dtype) or ValueError (shape, device, parameters) naming the op
-and the argument. M*T == 0 returns empty outputs (and an all-zero state) without a launch.
+the reference); d >= 1, d % 8 == 0 on CUDA (16-byte vectors); weights in H's dtype; conv_w (w, d) with w >= 1;
+dilation >= 1; eps finite and >= 0. Violations raise TypeError (types, dtypes) or ValueError (shape, device,
+parameters) naming the op and the argument. M*T == 0 returns empty outputs (and an all-zero state) without a
+launch.
 
 Kernels (``_gate_conv_kernels``): one CTA walks consecutive tokens of one residue chain (t mod dilation) of
 one row (32 in the forward, at 2 CTAs per SM; 64 in the backward) with whole d-rows per CTA and 16-byte
@@ -70,6 +71,7 @@ from ._gate_conv_kernels import (
     gate_conv_dconv_kernel,
     gate_conv_fwd_kernel,
 )
+from .gate import _check_scalar
 
 CHUNK = 64  # chain tokens per CTA in the backward
 # Forward: 32 tokens x 2 vectors per thread gives 256 CTAs of 256/448 threads at 8192 tokens, 2 per SM. The
@@ -166,19 +168,25 @@ def _num_parts(M: int, T: int, dilation: int, chunk: int = CHUNK) -> int:
     return M * dilation * (-(-T // (dilation * chunk)))
 
 
-def _check_params(op: str, taps: int, dilation: int, eps: float) -> None:
-    checks.check_positive_int(op, "conv_kernel_size", taps)
+def _check_dilation(op: str, dilation: int) -> None:
     checks.check_positive_int(op, "dilation", dilation)
     checks.check_grid_extent(op, "dilation", dilation)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0.0:
-        checks.fail(op, "eps", "a float >= 0", repr(eps))
 
 
-def _check_inputs(op: str, names, seqs, weights, conv_w):
-    """Checks (M, T, d) activations of one dtype/device and the (d,) and (w, d) weights; returns (M, T, d)."""
+def _check_params(op: str, conv_kernel_size: int, dilation: int, eps: float) -> float:
+    """Checks an op object's hyperparameters; returns eps as a float."""
+    checks.check_positive_int(op, "conv_kernel_size", conv_kernel_size)
+    _check_dilation(op, dilation)
+    return _check_scalar(op, "eps", eps, positive=False)
+
+
+def _check_inputs(op: str, names, seqs, weights, conv_w, use_reference: bool):
+    """Checks (M, T, d) activations of one dtype/device (like the first, ``names[0]``) and the (d,) and (w, d)
+    weights, for the kernel on CUDA tensors unless ``use_reference``, else for the reference; returns (M, T, d)."""
     x0 = seqs[0]
     checks.check_tensor(op, names[0], x0)
-    allowed = tuple(_TL_DTYPES) if x0.is_cuda else _CPU_DTYPES
+    kernel = x0.is_cuda and not use_reference
+    allowed = tuple(_TL_DTYPES) if kernel else _CPU_DTYPES
     for name, x in zip(names, seqs, strict=False):
         checks.check_dtype(op, name, x, allowed)
         checks.check_ndim(op, name, x, 3)
@@ -188,6 +196,8 @@ def _check_inputs(op: str, names, seqs, weights, conv_w):
             checks.fail(op, name, f"of dtype {x0.dtype} like {names[0]}", x.dtype, TypeError)
         checks.check_shape(op, name, x, (M, T, d))
         checks.check_same_device(op, name, x, x0.device)
+    if d == 0:  # the RMS statistics would divide by zero
+        checks.fail(op, names[0], "of shape (M, T, d) with d >= 1", f"shape {tuple(x0.shape)}")
     for name, x in weights:
         checks.check_dtype(op, name, x, (x0.dtype,))
         checks.check_shape(op, name, x, (d,))
@@ -198,7 +208,7 @@ def _check_inputs(op: str, names, seqs, weights, conv_w):
     checks.check_same_device(op, "conv_w", conv_w, x0.device)
     if conv_w.shape[0] < 1:
         checks.fail(op, "conv_w", "of shape (w >= 1, d)", f"shape {tuple(conv_w.shape)}")
-    if x0.is_cuda:
+    if kernel:
         checks.check_divisible(op, "d (the last dimension of H)", d, 8)
         checks.check_grid_extent(op, names[0], M, "sequences (dimension 0)", f"shape {tuple(x0.shape)}")
     return M, T, d
@@ -220,22 +230,27 @@ def _gate_conv_fwd_dev(
     kern(H, k, v, rms_w_h, rms_w_v, conv_w, y, vhat, alpha, rrms_h, rrms_k, rrms_v, state, eps)
 
 
-def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1, eps: float = 1e-6):
+def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1, eps: float = 1e-6,
+                         use_reference: bool = False):
     """GateConv forward (see the module docstring for the math).
 
     Args: H, k, v (M, T, d) fp16/bf16 (CPU: also fp32/fp64); rms_w_h, rms_w_v (d,); conv_w (w, d), tap p
-    looking back (w-1-p)*dilation tokens; dilation >= 1; eps >= 0.
+    looking back (w-1-p)*dilation tokens; dilation >= 1; eps >= 0 (finite).
     Returns (Y, vhat, alpha, rrms_h, rrms_k, rrms_v, conv_state) as described in the module docstring.
-    CUDA tensors run the TileLang kernel, CPU tensors the reference.
+    CUDA tensors run the TileLang kernel, CPU tensors the reference; ``use_reference`` runs the reference on
+    any device (with the CPU's dtype rules; the op objects' target='torch').
     """
     op = "engram_gate_conv_fwd"
-    _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, eps)
-    M, T, d = _check_inputs(op, ("H", "k", "v"), (H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w)
-    if not H.is_cuda:
-        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
+    checks.check_bool(op, "use_reference", use_reference)
+    _check_dilation(op, dilation)
+    eps = _check_scalar(op, "eps", eps, positive=False)
+    M, T, d = _check_inputs(op, ("H", "k", "v"), (H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w,
+                            use_reference)
+    if use_reference or not H.is_cuda:
+        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, eps)
     taps = conv_w.shape[0]
     if not fwd_fits(d, taps, FWD_PARAMS["vecs"]):  # the n ring of taps - 1 rows would not fit in shared memory
-        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, float(eps))
+        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, dilation, eps)
     hist = dilation * (taps - 1)
     dev = H.device
     y = torch.empty((M, T, d), dtype=H.dtype, device=dev)
@@ -246,7 +261,7 @@ def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1
     state = torch.empty((M, max(hist, 1), d), dtype=H.dtype, device=dev)
     _gate_conv_fwd_dev(
         _aligned(H), _aligned(k), _aligned(v), _aligned(rms_w_h), _aligned(rms_w_v), _aligned(conv_w),
-        y, vhat, stats[0], stats[1], stats[2], stats[3], state, dilation, float(eps),
+        y, vhat, stats[0], stats[1], stats[2], stats[3], state, dilation, eps,
     )
     return y, vhat, stats[0], stats[1], stats[2], stats[3], state[:, :hist]
 
@@ -271,24 +286,28 @@ def _gate_conv_bwd_dev(
 
 
 def engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v, *,
-                         dilation: int = 1):
+                         dilation: int = 1, use_reference: bool = False):
     """GateConv backward from the forward's saved statistics (module docstring for the formulas).
 
     Args: dY, H, k, v (M, T, d); the weights as in the forward; alpha, rrms_h, rrms_k, rrms_v (M, T) float32
     (float64 with float64 inputs on CPU). Returns (dH, dk, dv) in H's dtype and (drms_w_h, drms_w_v, dconv_w)
-    in float32, deterministic (fixed-order reductions). CUDA tensors run the kernel, CPU the reference.
+    in float32, deterministic (fixed-order reductions). CUDA tensors run the kernel, CPU the reference;
+    ``use_reference`` as in the forward.
     """
     op = "engram_gate_conv_bwd"
-    _check_params(op, conv_w.shape[0] if isinstance(conv_w, torch.Tensor) else 1, dilation, 0.0)
+    checks.check_bool(op, "use_reference", use_reference)
+    _check_dilation(op, dilation)
     M, T, d = _check_inputs(
-        op, ("dY", "H", "k", "v"), (dY, H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w
+        op, ("H", "dY", "k", "v"), (H, dY, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w,
+        use_reference,
     )
-    sdt = (torch.float32, torch.float64) if not H.is_cuda else (torch.float32,)
+    kernel = H.is_cuda and not use_reference
+    sdt = (torch.float32,) if kernel else (torch.float32, torch.float64)
     for name, x in (("alpha", alpha), ("rrms_h", rrms_h), ("rrms_k", rrms_k), ("rrms_v", rrms_v)):
         checks.check_dtype(op, name, x, sdt)
         checks.check_shape(op, name, x, (M, T))
         checks.check_same_device(op, name, x, H.device)
-    if not H.is_cuda:
+    if not kernel:
         return reference.gate_conv_bwd_ref(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k,
                                            rrms_v, dilation)
     taps = conv_w.shape[0]
@@ -345,15 +364,22 @@ def engram_gate_conv(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1, ep
 
 
 # ---------------------------------------------------------------------------------------------- op objects
-def _resolve_target(op: str, target, x: torch.Tensor) -> bool:
-    """True to run the TileLang kernel, False for the reference. None: decided by the input's device."""
-    if target is None:
-        return x.is_cuda
+def _use_reference(op: str, target, name: str, x) -> bool:
+    """Whether an op object of ``target`` forces the reference ('torch'); None leaves the choice to the function
+    (the kernel for CUDA inputs), 'tilelang' requires ``x`` (argument ``name``) on CUDA."""
     if target == "tilelang":
+        checks.check_tensor(op, name, x)  # before its device is read
         if not x.is_cuda:
             checks.fail(op, "inputs", "CUDA tensors for target='tilelang'", f"device {x.device}")
-        return True
-    return False
+    return target == "torch"
+
+
+def _check_taps(op: str, conv_w, taps: int) -> None:
+    """An op object's conv_w has its ``conv_kernel_size`` taps (the function checks the rest)."""
+    checks.check_tensor(op, "conv_w", conv_w)
+    checks.check_ndim(op, "conv_w", conv_w, 2)  # before its shape is read
+    if conv_w.shape[0] != taps:
+        checks.fail(op, "conv_w", f"of shape ({taps}, d)", f"shape {tuple(conv_w.shape)}")
 
 
 def _check_target(op: str, target) -> None:
@@ -371,17 +397,15 @@ class EngramGateConvFwdOp:
 
     def __init__(self, conv_kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6, *, target=None):
         op = type(self).__name__
-        _check_params(op, conv_kernel_size, dilation, eps)
+        eps = _check_params(op, conv_kernel_size, dilation, eps)
         _check_target(op, target)
-        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, float(eps), target
+        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, eps, target
 
     def __call__(self, H, k, v, rms_w_h, rms_w_v, conv_w):
         op = type(self).__name__
-        if isinstance(conv_w, torch.Tensor) and conv_w.shape[0] != self.conv_kernel_size:
-            checks.fail(op, "conv_w", f"of shape ({self.conv_kernel_size}, d)", f"shape {tuple(conv_w.shape)}")
-        if _resolve_target(op, self.target, H) or self.target is None:
-            return engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, dilation=self.dilation, eps=self.eps)
-        return reference.gate_conv_fwd_ref(H, k, v, rms_w_h, rms_w_v, conv_w, self.dilation, self.eps)
+        _check_taps(op, conv_w, self.conv_kernel_size)
+        return engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, dilation=self.dilation, eps=self.eps,
+                                    use_reference=_use_reference(op, self.target, "H", H))
 
 
 class EngramGateConvBwdOp:
@@ -391,15 +415,12 @@ class EngramGateConvBwdOp:
 
     def __init__(self, conv_kernel_size: int = 4, dilation: int = 1, eps: float = 1e-6, *, target=None):
         op = type(self).__name__
-        _check_params(op, conv_kernel_size, dilation, eps)
+        eps = _check_params(op, conv_kernel_size, dilation, eps)
         _check_target(op, target)
-        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, float(eps), target
+        self.conv_kernel_size, self.dilation, self.eps, self.target = conv_kernel_size, dilation, eps, target
 
     def __call__(self, dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v):
         op = type(self).__name__
-        if isinstance(conv_w, torch.Tensor) and conv_w.shape[0] != self.conv_kernel_size:
-            checks.fail(op, "conv_w", f"of shape ({self.conv_kernel_size}, d)", f"shape {tuple(conv_w.shape)}")
-        args = (dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v)
-        if _resolve_target(op, self.target, H) or self.target is None:
-            return engram_gate_conv_bwd(*args, dilation=self.dilation)
-        return reference.gate_conv_bwd_ref(*args, self.dilation)
+        _check_taps(op, conv_w, self.conv_kernel_size)
+        return engram_gate_conv_bwd(dY, H, k, v, rms_w_h, rms_w_v, conv_w, alpha, rrms_h, rrms_k, rrms_v,
+                                    dilation=self.dilation, use_reference=_use_reference(op, self.target, "H", H))

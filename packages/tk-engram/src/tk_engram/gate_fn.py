@@ -12,21 +12,36 @@ with ``weight_fused = fused_weight(weight_hidden, weight_embed)``.
   ``main_grad`` attribute (a Megatron-style float32 buffer), its gradient is accumulated into it in place
   and None is returned for that weight; otherwise a float32 gradient is returned (autograd casts it to the
   parameter's dtype).
-- Leading dimensions are flattened with ``reshape`` (a copy only when a view is impossible); grads come
+- Leading dimensions are flattened with ``reshape`` (a copy only when a view is impossible) once k, v and
+  the mask are checked against hidden_states' shape (``ValueError`` naming engram_gate otherwise); grads come
   back in the inputs' shapes. On CPU tensors the references run (so float64 ``gradcheck`` works).
 """
 
 import torch
 
+from tk_core import checks
+
 from .fused_weight import fused_weight
 from .gate import engram_gate_bwd, engram_gate_fwd, grad_w_reduce
 
+OP = "engram_gate"
 
-def _flatten(hidden_states: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+
+def _flatten(hidden_states, k, v, image_token_mask):
+    """(x, k, v, mask) with the leading dimensions flattened, after checking the layout in the caller's shapes
+    (k like hidden_states [*, n, H], v [*, H], the mask [*]): a reshape alone would reinterpret wrong ones."""
+    checks.check_tensor(OP, "hidden_states", hidden_states)
     if hidden_states.dim() < 2:
-        raise ValueError(f"engram_gate: hidden_states must be [*, n, H], got shape {tuple(hidden_states.shape)}")
-    n, hidden = hidden_states.shape[-2:]
-    return hidden_states.reshape(-1, n, hidden), k.reshape(-1, n, hidden), v.reshape(-1, hidden)
+        checks.fail(OP, "hidden_states", "[*, n, H]", f"shape {tuple(hidden_states.shape)}")
+    *lead, n, hidden = hidden_states.shape
+    layout = [("k", k, (*lead, n, hidden)), ("v", v, (*lead, hidden))]
+    if image_token_mask is not None:
+        layout.append(("image_token_mask", image_token_mask, tuple(lead)))
+    for name, t, shape in layout:
+        checks.check_tensor(OP, name, t)
+        checks.check_shape(OP, name, t, shape)
+    mask = None if image_token_mask is None else image_token_mask.reshape(-1)
+    return hidden_states.reshape(-1, n, hidden), k.reshape(-1, n, hidden), v.reshape(-1, hidden), mask
 
 
 def _accumulator(weight: torch.Tensor, like: torch.Tensor):
@@ -40,8 +55,7 @@ def _accumulator(weight: torch.Tensor, like: torch.Tensor):
 class EngramGateFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, image_token_mask=None):
-        x, kk, vv = _flatten(hidden_states, k, v)
-        mask = None if image_token_mask is None else image_token_mask.reshape(-1)
+        x, kk, vv, mask = _flatten(hidden_states, k, v, image_token_mask)
         w = fused_weight(weight_hidden, weight_embed)
         out, dot, gate, rstd_x, rstd_k = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, True, mask)
         ctx.save_for_backward(x, kk, vv, weight_hidden, weight_embed, w, dot, gate, rstd_x, rstd_k, mask)
@@ -87,13 +101,15 @@ def engram_gate(
     """Engram gate out = x + g * v (see the module docstring); differentiable in all five tensors.
     ``image_token_mask`` (optional bool [*]): flagged tokens pass through (out = x; grads to k, v and the
     weights are zero for them)."""
+    for name, t in (("hidden_states", hidden_states), ("k", k), ("v", v), ("weight_hidden", weight_hidden),
+                    ("weight_embed", weight_embed)):
+        checks.check_tensor(OP, name, t)  # before requires_grad is read
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (hidden_states, k, v, weight_hidden, weight_embed)
     )
     if not needs_grad:
-        x, kk, vv = _flatten(hidden_states, k, v)
+        x, kk, vv, mask = _flatten(hidden_states, k, v, image_token_mask)
         w = fused_weight(weight_hidden, weight_embed)
-        mask = None if image_token_mask is None else image_token_mask.reshape(-1)
         out = engram_gate_fwd(x, kk, vv, w, eps, clamp_value, False, mask)[0]
         return out.view(hidden_states.shape)
     return EngramGateFn.apply(hidden_states, k, v, weight_hidden, weight_embed, clamp_value, eps, image_token_mask)

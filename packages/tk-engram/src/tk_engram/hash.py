@@ -16,7 +16,8 @@ sums of the table sizes).
 Shapes and dtypes: ``ngram_token_ids`` int32 (T, N), N >= 2, inner-contiguous; ``multipliers`` int64
 (L, N); ``vocab_sizes`` int32 (L, N-1, J); ``offsets`` int32 (L, (N-1)*J). Output int32
 (L, T, (N-1)*J), contiguous, on the ids' device. T = 0 gives an empty output without a launch.
-Vocab sizes must be non-zero (a zero size is undefined on the GPU; the CPU reference raises).
+Vocab sizes must be positive: on CPU a size <= 0 raises ``ValueError``; on CUDA they are not checked (reading
+them back would cost a host sync), and a size <= 0 gives undefined row ids.
 
 ``image_token_mask`` (optional, bool (T,), as in TileKernels 2.1.0): masked (image) tokens get -1 in every
 output column of every layer.
@@ -160,10 +161,13 @@ def engram_hash(
     """Engram n-gram hash: int32 (L, T, (N-1)*J) row ids of the concatenated tables (see module doc);
     tokens flagged in the optional bool (T,) ``image_token_mask`` get -1 everywhere.
 
-    Raises ``TypeError`` for wrong dtypes and ``ValueError`` for wrong shapes or devices.
+    Raises ``TypeError`` for wrong dtypes and ``ValueError`` for wrong shapes or devices, and on CPU for vocab
+    sizes <= 0 (not checked on CUDA: module docstring).
     """
     L, N, J = _check(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask)
     if ngram_token_ids.device.type != "cuda":
+        if vocab_sizes.numel() and vocab_sizes.min() <= 0:  # a zero size divides by zero, a negative one wraps
+            checks.fail(OP, "vocab_sizes", "positive", f"minimum {int(vocab_sizes.min())}")
         return reference.engram_hash_ref(ngram_token_ids, multipliers, vocab_sizes, offsets, image_token_mask)
     num_tokens = ngram_token_ids.shape[0]
     out = torch.empty((L, num_tokens, (N - 1) * J), dtype=torch.int32, device=ngram_token_ids.device)

@@ -8,11 +8,24 @@ import math  # noqa: E402
 
 import torch  # noqa: E402
 
+from tk_core import checks  # noqa: E402
+
+INT32_MAX = 2**31 - 1
+
 
 def make_offsets(vocab_sizes: torch.Tensor) -> torch.Tensor:
-    """Per layer, the exclusive prefix sum of the flattened (N-1)*J table sizes: int32 (L, (N-1)*J)."""
+    """Per layer, the exclusive prefix sum of the flattened (N-1)*J table sizes of ``vocab_sizes`` (L, N-1, J):
+    int32 (L, (N-1)*J). Raises ``ValueError`` where a layer's tables hold more than 2**31 - 1 rows in all (the
+    offsets and row ids are int32)."""
+    op = "make_offsets"
+    checks.check_tensor(op, "vocab_sizes", vocab_sizes)
+    checks.check_ndim(op, "vocab_sizes", vocab_sizes, 3)
     flat = vocab_sizes.reshape(vocab_sizes.shape[0], -1).to(torch.int64)
-    return (flat.cumsum(1) - flat).to(torch.int32)
+    ends = flat.cumsum(1)
+    rows = int(ends[:, -1].max()) if ends.numel() else 0  # the largest layer's rows
+    if rows > INT32_MAX:
+        checks.fail(op, "vocab_sizes", f"at most {INT32_MAX} rows per layer in all (int32 row ids)", rows)
+    return (ends - flat).to(torch.int32)
 
 
 def engram_hash_ref(
