@@ -10,7 +10,7 @@ import torch
 import tk_quant
 from tk_core.formats import compute_scales, encode_e4m3
 from tk_core.jit import ARCHS
-from tk_core.layout import sf_to_row_major
+from tk_core.layout import sf_layout, sf_to_row_major
 from tk_core.testing import (
     assert_equal,
     calc_diff,
@@ -670,7 +670,7 @@ def test_gpu_forward_per_token(case):
     if cnt is not None:
         assert_equal(cnt, cnt_ref)
     # poisoned outputs through the device op: every element (and packed padding byte) is written
-    layout = S.sf_layout("t", col, packed, rnd)
+    layout = sf_layout("t", col, packed, rnd)
     out2 = _poison(torch.empty_like(out))
     flat, sf2 = S.alloc_sf_storage(x.shape[0], -(-h // bk), layout, x.device)
     _poison(flat)
@@ -828,7 +828,7 @@ def test_gpu_backward(case):
     assert_equal(got[3], want[3])  # weight_grad: exact (fixed summation order)
     # poisoned outputs through the device op
     e = q[0].shape[0]
-    layout = S.sf_layout("t", col, packed, rnd)
+    layout = sf_layout("t", col, packed, rnd)
     outs = [_poison(torch.empty_like(got[0])), _poison(torch.empty_like(got[1][0]))]
     flat, sf2 = S.alloc_sf_storage(e, 2 * h // bk, layout, q[0].device)
     _poison(flat)

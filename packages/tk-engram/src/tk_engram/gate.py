@@ -251,7 +251,9 @@ def _check_scalar(op: str, arg: str, value, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         checks.fail(op, arg, "a float", type(value).__name__, TypeError)
     value = float(value)
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+    # comparisons only (NaN fails them): under torch.compile a float argument may be symbolic, and math.isfinite
+    # of a SymFloat breaks the graph
+    if not 0.0 <= value < math.inf or (positive and value == 0):
         checks.fail(op, arg, "a finite float > 0" if positive else "a finite float >= 0", value)
     return value
 
