@@ -86,10 +86,29 @@ def test_config_rejects_bad_values(clean_config):
         config.set_token_alignment(96)
     with pytest.raises(ValueError, match="fmt must be one of"):
         config.get_amax_clamp("e3m4")
-    with pytest.raises(ValueError, match="value must be a positive float"):
+    with pytest.raises(ValueError, match="value must be a finite float > 0"):
         config.set_amax_clamp("e4m3", 0.0)
     with pytest.raises(ValueError, match="num_sms must be a positive int or None"):
         config.set_num_sms(0)
+    # kinds: a flag is a bool, a count is an int (not a bool), a floor a finite real
+    for setter in (config.set_pdl, config.set_deterministic):
+        with pytest.raises(TypeError, match="enabled must be a bool, got 'False'"):
+            setter("False")
+    with pytest.raises(TypeError, match="num_sms must be a positive int or None, got True"):
+        config.set_num_sms(True)
+    with pytest.raises(TypeError, match="alignment must be a positive power of two, got 64.0"):
+        config.set_token_alignment(64.0)
+    with pytest.raises(TypeError, match="value must be a finite float > 0, got '1'"):
+        config.set_amax_clamp("e4m3", "1")
+    with pytest.raises(TypeError, match="value must be a finite float > 0, got True"):
+        config.set_amax_clamp("e4m3", True)
+    with pytest.raises(ValueError, match="value must be a finite float > 0, got inf"):
+        config.set_amax_clamp("e4m3", float("inf"))
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        config.set_amax_clamp(["e4m3"], 1.0)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        config.get_amax_clamp(["e4m3"])
+    assert config.get_pdl() is False and config.is_deterministic() is True and config.get_amax_clamp("e4m3") == 1e-4
 
 
 def test_check_grid_extent():

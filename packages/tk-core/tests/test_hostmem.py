@@ -41,3 +41,13 @@ def test_collect_waits_for_the_current_stream():
         torch.cuda._sleep(50_000_000)  # ~25 ms of device time before the store lands
         slots[3:].fill_(5)
         assert counts.collect(4) == 5
+
+
+def test_zeroed_refuses_counts_past_the_buffer():
+    host = torch.arange(4, dtype=torch.int32)
+    counts = hostmem.HostCounts(host, host, 0)  # (a CPU stand-in for the pinned buffer and its CUDA alias)
+    for n in (-1, 5):  # memset past the buffer would corrupt the host heap
+        with pytest.raises(ValueError, match=rf"HostCounts.zeroed: n must be in \[0, 4\], got {n}"):
+            counts.zeroed(n)
+    assert host.tolist() == [0, 1, 2, 3]
+    assert counts.zeroed(2).tolist() == [0, 0] and host.tolist() == [0, 0, 2, 3]

@@ -94,3 +94,14 @@ def test_vector_aligned_keeps_aligned_views_and_copies_the_rest():
     assert layout.vector_aligned(row) is not row
     rows8 = buf.view(-1)[4:4 + 64 * 68].view(64, 68)  # 8-byte aligned base and row stride
     assert layout.vector_aligned(rows8, 8) is rows8 and layout.vector_aligned(rows8, 16) is not rows8
+
+
+def test_layout_helpers_reject_bad_arguments():
+    sf = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="sf_to_layout: layout must be one of .*, got 'bogus'"):
+        layout.sf_to_layout(sf, "bogus")
+    with pytest.raises(ValueError, match=r"sf_to_layout: sf must be 2-D, got shape \(6,\)"):
+        layout.sf_to_layout(sf.flatten(), "col")
+    for name in layout.SF_LAYOUTS:
+        with pytest.raises(ValueError, match=r"alloc_sf: \(nm, nk\) must be non-negative, got \(-1, 3\)"):
+            layout.alloc_sf(-1, 3, name, "cpu")

@@ -44,6 +44,19 @@ def test_calc_diff_values():
     assert 0 < calc_diff(x, y) < 1e-10  # no cancellation to 0 for tiny differences
 
 
+def test_comparisons_refuse_other_shapes():
+    # a broadcast or a byte-count slip would let a truncated output pass
+    with pytest.raises(AssertionError, match=r"calc_diff: shape mismatch: \(4,\) vs \(1,\)"):
+        calc_diff(torch.ones(4), torch.ones(1))
+    with pytest.raises(AssertionError, match="size mismatch: 0 vs 20 bytes"):
+        assert_equal(torch.empty(0), torch.ones(5), check_shape=False)
+    with pytest.raises(AssertionError, match="size mismatch: 16 vs 8 bytes"):
+        assert_equal(torch.ones(4), torch.ones(4, dtype=torch.int16), check_dtype=False)
+    assert_equal(torch.ones(4), torch.ones(4).view(torch.int32), check_dtype=False)  # same bytes, other dtype
+    with pytest.raises(AssertionError, match="shape mismatch"):
+        check_bias(torch.ones(100), torch.ones(1))
+
+
 def test_check_bias_catches_truncation():
     ref = torch.rand(100000, dtype=torch.float64) + 1
     check_bias(torch.round(ref * 64) / 64, ref)  # round to nearest: unbiased

@@ -15,7 +15,9 @@ host path of an op, so they are plain module state rather than environment look-
 """
 
 import functools
+import math
 import warnings
+from typing import NoReturn
 
 import torch
 
@@ -35,8 +37,22 @@ _deterministic = True
 _amax_clamp = dict(DEFAULT_AMAX_CLAMP)
 
 
-def _fail(arg: str, expected: str, got) -> None:
-    raise ValueError(f"tk_core.config: {arg} must be {expected}, got {got!r}")
+def _fail(arg: str, expected: str, got, exc: type[Exception] = ValueError) -> NoReturn:
+    raise exc(f"tk_core.config: {arg} must be {expected}, got {got!r}")
+
+
+def _check_positive_int(arg: str, value, expected: str) -> None:
+    """A bool is not an int here (``True`` would read as 1)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(arg, expected, value, TypeError)
+    if value <= 0:
+        _fail(arg, expected, value)
+
+
+def _check_flag(arg: str, value) -> None:
+    """A Python bool (a string such as ``"False"`` is not read by its truthiness)."""
+    if not isinstance(value, bool):
+        _fail(arg, "a bool", value, TypeError)
 
 
 @functools.cache
@@ -51,8 +67,7 @@ def set_num_sms(num_sms: int | None) -> None:
     """Limits persistent kernels to ``num_sms`` multiprocessors; ``None`` removes the limit."""
     global _num_sms_override
     if num_sms is not None:
-        if not isinstance(num_sms, int) or num_sms <= 0:
-            _fail("num_sms", "a positive int or None", num_sms)
+        _check_positive_int("num_sms", num_sms, "a positive int or None")
         if torch.cuda.is_available() and num_sms > get_device_num_sms():
             _fail("num_sms", f"at most the device's {get_device_num_sms()} SMs", num_sms)
     _num_sms_override = num_sms
@@ -68,7 +83,8 @@ def get_num_sms(device_index: int | None = None) -> int:
 def set_pdl(enabled: bool) -> None:
     """Records the PDL switch; turning it on warns, since no kernel launches with PDL yet (module docstring)."""
     global _pdl
-    _pdl = bool(enabled)
+    _check_flag("enabled", enabled)
+    _pdl = enabled
     if _pdl:
         warnings.warn(
             "tk_core.config.set_pdl(True) has no effect: no tk kernel launches with programmatic dependent launch",
@@ -83,7 +99,8 @@ def get_pdl() -> bool:
 
 def set_token_alignment(alignment: int) -> None:
     global _token_alignment
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+    _check_positive_int("alignment", alignment, "a positive power of two")
+    if alignment & (alignment - 1):
         _fail("alignment", "a positive power of two", alignment)
     _token_alignment = alignment
 
@@ -94,7 +111,8 @@ def get_token_alignment() -> int:
 
 def set_deterministic(enabled: bool) -> None:
     global _deterministic
-    _deterministic = bool(enabled)
+    _check_flag("enabled", enabled)
+    _deterministic = enabled
 
 
 def is_deterministic() -> bool:
@@ -103,18 +121,19 @@ def is_deterministic() -> bool:
 
 def set_amax_clamp(fmt: str, value: float) -> None:
     """Sets the amax floor used when quantizing to ``fmt`` (a key of ``DEFAULT_AMAX_CLAMP``)."""
-    if fmt not in _amax_clamp:
+    if not isinstance(fmt, str) or fmt not in _amax_clamp:
         _fail("fmt", f"one of {sorted(_amax_clamp)}", fmt)
-    if not value > 0.0:
-        _fail("value", "a positive float", value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        _fail("value", "a finite float > 0", value, TypeError)
+    if not 0.0 < value < math.inf:  # inf would give sf = inf and sf_inv = 0
+        _fail("value", "a finite float > 0", value)
     _amax_clamp[fmt] = float(value)
 
 
 def get_amax_clamp(fmt: str) -> float:
-    try:
-        return _amax_clamp[fmt]
-    except KeyError:
+    if not isinstance(fmt, str) or fmt not in _amax_clamp:
         _fail("fmt", f"one of {sorted(_amax_clamp)}", fmt)
+    return _amax_clamp[fmt]
 
 
 def reset() -> None:

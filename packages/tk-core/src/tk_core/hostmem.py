@@ -62,6 +62,8 @@ class HostCounts:
     def zeroed(self, n: int) -> torch.Tensor:
         """The first ``n`` words, zeroed on the host, as the CUDA tensor a kernel writes. No kernel of an earlier
         call may still be writing them: callers ``collect`` before they return."""
+        if not 0 <= n <= self.capacity:  # memset past the pinned buffer would corrupt the host heap
+            raise ValueError(f"HostCounts.zeroed: n must be in [0, {self.capacity}], got {n}")
         ctypes.memset(self.host.data_ptr(), 0, 4 * n)
         return self.alias[:n]
 

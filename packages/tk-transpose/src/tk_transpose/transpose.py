@@ -473,4 +473,4 @@ def transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tens
     """
     _check("transpose", x, 2, out)
     result = batched_transpose(x.unsqueeze(0), out=None if out is None else out.unsqueeze(0))
-    return result.squeeze(0)
+    return result.squeeze(0) if out is None else out

@@ -12,8 +12,10 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """``sum((x-y)^2) / sum(x^2 + y^2)`` in float64: 0 for identical tensors, at most 2.
 
     Computed directly (not as ``1 - similarity``), so tiny differences do not cancel. Returns 0.0
-    when both tensors are all zero.
+    when both tensors are all zero. The shapes must be equal (a broadcast would let a truncated output pass).
     """
+    if x.shape != y.shape:
+        raise AssertionError(f"calc_diff: shape mismatch: {tuple(x.shape)} vs {tuple(y.shape)}")
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum().item()
     if denom == 0.0:
@@ -53,6 +55,8 @@ def assert_equal(x: torch.Tensor, y: torch.Tensor, check_dtype=True, check_shape
     if check_stride and x.numel():
         assert x.stride() == y.stride(), f"stride mismatch: {x.stride()} vs {y.stride()}"
     assert x.device == y.device, f"device mismatch: {x.device} vs {y.device}"
+    nbytes = (x.numel() * x.element_size(), y.numel() * y.element_size())
+    assert nbytes[0] == nbytes[1], f"size mismatch: {nbytes[0]} vs {nbytes[1]} bytes"
     if x.numel() == 0 or torch.equal(_byte_view(x), _byte_view(y)):
         return
     elem = x.element_size()
@@ -79,6 +83,7 @@ def check_bias(x: torch.Tensor, ref: torch.Tensor) -> None:
 
     ``r = (#(x < ref) + #(x == ref)/2) / n`` must satisfy ``|r - 0.5| < 10/sqrt(n)``.
     """
+    assert x.shape == ref.shape, f"shape mismatch: {tuple(x.shape)} vs {tuple(ref.shape)}"
     n = x.numel()
     if n == 0:
         return
