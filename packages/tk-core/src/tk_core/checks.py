@@ -107,7 +107,8 @@ def check_grid_extent(op: str, arg: str, value: int, unit: str = "", got=None) -
         fail(op, arg, f"at most {MAX_GRID_YZ}" + (f" {unit}" if unit else ""), value if got is None else got)
 
 
-def check_positive_int(op: str, arg: str, value) -> None:
+def check_positive_int(op: str, arg: str, value, expected: str = "a positive int") -> None:
+    """An int (not a bool) > 0; ``expected`` is the message's wording of the rule."""
     wrong_type = not isinstance(value, int) or isinstance(value, bool)
     if wrong_type or value <= 0:
-        fail(op, arg, "a positive int", repr(value), TypeError if wrong_type else ValueError)
+        fail(op, arg, expected, repr(value), TypeError if wrong_type else ValueError)

@@ -21,6 +21,8 @@ from typing import NoReturn
 
 import torch
 
+from . import checks
+
 DEFAULT_AMAX_CLAMP = {
     "e4m3": 1e-4,
     "e2m1": 6.0 * 2.0**-126,
@@ -37,22 +39,11 @@ _deterministic = True
 _amax_clamp = dict(DEFAULT_AMAX_CLAMP)
 
 
+OP = "tk_core.config"
+
+
 def _fail(arg: str, expected: str, got, exc: type[Exception] = ValueError) -> NoReturn:
-    raise exc(f"tk_core.config: {arg} must be {expected}, got {got!r}")
-
-
-def _check_positive_int(arg: str, value, expected: str) -> None:
-    """A bool is not an int here (``True`` would read as 1)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        _fail(arg, expected, value, TypeError)
-    if value <= 0:
-        _fail(arg, expected, value)
-
-
-def _check_flag(arg: str, value) -> None:
-    """A Python bool (a string such as ``"False"`` is not read by its truthiness)."""
-    if not isinstance(value, bool):
-        _fail(arg, "a bool", value, TypeError)
+    checks.fail(OP, arg, expected, repr(got), exc)
 
 
 @functools.cache
@@ -67,7 +58,7 @@ def set_num_sms(num_sms: int | None) -> None:
     """Limits persistent kernels to ``num_sms`` multiprocessors; ``None`` removes the limit."""
     global _num_sms_override
     if num_sms is not None:
-        _check_positive_int("num_sms", num_sms, "a positive int or None")
+        checks.check_positive_int(OP, "num_sms", num_sms, "a positive int or None")
         if torch.cuda.is_available() and num_sms > get_device_num_sms():
             _fail("num_sms", f"at most the device's {get_device_num_sms()} SMs", num_sms)
     _num_sms_override = num_sms
@@ -83,7 +74,7 @@ def get_num_sms(device_index: int | None = None) -> int:
 def set_pdl(enabled: bool) -> None:
     """Records the PDL switch; turning it on warns, since no kernel launches with PDL yet (module docstring)."""
     global _pdl
-    _check_flag("enabled", enabled)
+    checks.check_bool(OP, "enabled", enabled)
     _pdl = enabled
     if _pdl:
         warnings.warn(
@@ -99,7 +90,7 @@ def get_pdl() -> bool:
 
 def set_token_alignment(alignment: int) -> None:
     global _token_alignment
-    _check_positive_int("alignment", alignment, "a positive power of two")
+    checks.check_positive_int(OP, "alignment", alignment, "a positive power of two")
     if alignment & (alignment - 1):
         _fail("alignment", "a positive power of two", alignment)
     _token_alignment = alignment
@@ -111,7 +102,7 @@ def get_token_alignment() -> int:
 
 def set_deterministic(enabled: bool) -> None:
     global _deterministic
-    _check_flag("enabled", enabled)
+    checks.check_bool(OP, "enabled", enabled)
     _deterministic = enabled
 
 
