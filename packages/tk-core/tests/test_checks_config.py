@@ -54,6 +54,26 @@ def test_kind_checks_reject_lookalikes():
     assert checks.check_bool("myop", "flag", False) is None
 
 
+def test_check_float_and_check_int():
+    assert checks.check_float("myop", "eps", 0) == 0.0 and isinstance(checks.check_float("myop", "eps", 1), float)
+    with pytest.raises(TypeError, match=r"^myop: eps must be a float, got str$"):
+        checks.check_float("myop", "eps", "1e-6")
+    with pytest.raises(TypeError, match=r"^myop: eps must be a float or None, got bool$"):
+        checks.check_float("myop", "eps", True, kind="a float or None")
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"^myop: eps must be a finite float >= 0, got"):
+            checks.check_float("myop", "eps", bad)
+    with pytest.raises(ValueError, match=r"^myop: c must be a finite float > 0, got 0.0$"):
+        checks.check_float("myop", "c", 0.0, strict=True)
+    with pytest.raises(ValueError, match=r"^myop: c must be at least 2\*\*-10, got 0.0001$"):
+        checks.check_float("myop", "c", 1e-4, 2.0**-10, expected="at least 2**-10")
+    assert checks.check_int("myop", "n", 0, 0, "a non-negative int") is None
+    with pytest.raises(ValueError, match=r"^myop: n must be a non-negative int, got -1$"):
+        checks.check_int("myop", "n", -1, 0, "a non-negative int")
+    with pytest.raises(TypeError, match=r"^myop: n must be a non-negative int, got False$"):
+        checks.check_int("myop", "n", False, 0, "a non-negative int")
+
+
 def test_passing_checks_return_none():
     x = torch.zeros(2, 64)
     assert checks.check_dtype("op", "x", x, torch.float32) is None

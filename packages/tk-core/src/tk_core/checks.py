@@ -5,6 +5,7 @@ which argument and what was wrong. Type problems raise ``TypeError``; value, sha
 problems raise ``ValueError``. The helpers are cheap enough for the host path of every op.
 """
 
+import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import NoReturn
@@ -107,8 +108,27 @@ def check_grid_extent(op: str, arg: str, value: int, unit: str = "", got=None) -
         fail(op, arg, f"at most {MAX_GRID_YZ}" + (f" {unit}" if unit else ""), value if got is None else got)
 
 
-def check_positive_int(op: str, arg: str, value, expected: str = "a positive int") -> None:
-    """An int (not a bool) > 0; ``expected`` is the message's wording of the rule."""
+def check_int(op: str, arg: str, value, minimum: int, expected: str) -> None:
+    """An int (not a bool) >= ``minimum``; ``expected`` is the message's wording of the rule."""
     wrong_type = not isinstance(value, int) or isinstance(value, bool)
-    if wrong_type or value <= 0:
+    if wrong_type or value < minimum:
         fail(op, arg, expected, repr(value), TypeError if wrong_type else ValueError)
+
+
+def check_positive_int(op: str, arg: str, value, expected: str = "a positive int") -> None:
+    check_int(op, arg, value, 1, expected)
+
+
+def check_float(op: str, arg: str, value, minimum: float = 0.0, strict: bool = False, kind: str = "a float",
+                expected: str | None = None) -> float:
+    """``value`` as a float: a real number (not a bool; else ``TypeError``, "must be ``kind``"), finite and ``>=
+    minimum`` (``> minimum`` with ``strict``; else ``ValueError``, "must be ``expected``", by default "a finite
+    float >= minimum"). Comparisons only (NaN fails them): under torch.compile a float argument may be symbolic,
+    and ``math.isfinite`` of a SymFloat breaks the graph."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        fail(op, arg, kind, type(value).__name__, TypeError)
+    value = float(value)
+    above = minimum < value if strict else minimum <= value
+    if not (above and value < math.inf):
+        fail(op, arg, expected or f"a finite float {'>' if strict else '>='} {minimum:g}", value)
+    return value

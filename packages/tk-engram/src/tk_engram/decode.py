@@ -57,7 +57,6 @@ from tk_core.library import device_op
 
 from . import reference
 from ._gate_conv_kernels import _CLUSTER, SILU_APPROX, VEC, add_row_sums, cluster_sync
-from .gate import _check_scalar
 from .gate_conv import (
     _CPU_DTYPES,
     _TL_DTYPES,
@@ -1198,10 +1197,8 @@ def init_decode_state(batch: int, d: int, conv_kernel_size: int = 4, dilation: i
                       dtype=torch.bfloat16, device=None):
     """An empty decode history: (zero cache (batch, dilation*(w-1), d), cache_pos zeros (batch,) int32)."""
     op = "init_decode_state"
-    for name, size in (("batch", batch), ("d", d)):
-        wrong_type = not isinstance(size, int) or isinstance(size, bool)
-        if wrong_type or size < 0:
-            checks.fail(op, name, "a non-negative int", repr(size), TypeError if wrong_type else ValueError)
+    checks.check_int(op, "batch", batch, 0, "a non-negative int")
+    checks.check_int(op, "d", d, 0, "a non-negative int")
     checks.check_positive_int(op, "conv_kernel_size", conv_kernel_size)
     checks.check_positive_int(op, "dilation", dilation)
     hist = dilation * (conv_kernel_size - 1)
@@ -1328,7 +1325,7 @@ def engram_decode_step(e_t, h_t, conv_state, cache_pos, W_K, W_V, rms_w_h, rms_w
     op = "engram_decode_step"
     checks.check_bool(op, "use_reference", use_reference)
     _check_dilation(op, dilation)
-    eps = _check_scalar(op, "eps", eps, positive=False)
+    eps = checks.check_float(op, "eps", eps)
     checks.check_tensor(op, "h_t", h_t)
     kernel = h_t.is_cuda and not use_reference
     allowed = tuple(_TL_DTYPES) if kernel else _CPU_DTYPES

@@ -48,7 +48,6 @@ registers. Either way two dependent memory round trips per token (the other CTAs
 fit, cover them) and the same result bits. Each CTA writes one partial weight-gradient row.
 """
 
-import math
 
 import torch
 
@@ -247,17 +246,6 @@ def _check_mask(op: str, mask, num_tokens: int, device: torch.device):
     return mask.contiguous()
 
 
-def _check_scalar(op: str, arg: str, value, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        checks.fail(op, arg, "a float", type(value).__name__, TypeError)
-    value = float(value)
-    # comparisons only (NaN fails them): under torch.compile a float argument may be symbolic, and math.isfinite
-    # of a SymFloat breaks the graph
-    if not 0.0 <= value < math.inf or (positive and value == 0):
-        checks.fail(op, arg, "a finite float > 0" if positive else "a finite float >= 0", value)
-    return value
-
-
 # ------------------------------------------------------------------------------------------ public ops
 
 
@@ -282,8 +270,8 @@ def engram_gate_fwd(
     """
     op = "engram_gate_fwd"
     num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
-    eps = _check_scalar(op, "eps", eps, positive=False)
-    clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
+    eps = checks.check_float(op, "eps", eps)
+    clamp_value = checks.check_float(op, "clamp_value", clamp_value, strict=True)
     mask = _check_mask(op, image_token_mask, num_tokens, hidden_states.device)
     if hidden_states.device.type != "cuda":
         return reference.engram_gate_fwd_ref(
@@ -343,7 +331,7 @@ def engram_gate_bwd(
         _check_float(op, name, t, torch.float32)
         checks.check_shape(op, name, t, (num_tokens, n))
         checks.check_same_device(op, name, t, hidden_states.device)
-    clamp_value = _check_scalar(op, "clamp_value", clamp_value, positive=True)
+    clamp_value = checks.check_float(op, "clamp_value", clamp_value, strict=True)
     device = hidden_states.device
     mask = _check_mask(op, image_token_mask, num_tokens, device)
     if device.type != "cuda":

@@ -71,7 +71,6 @@ from ._gate_conv_kernels import (
     gate_conv_dconv_kernel,
     gate_conv_fwd_kernel,
 )
-from .gate import _check_scalar
 
 CHUNK = 64  # chain tokens per CTA in the backward
 # Forward: 32 tokens x 2 vectors per thread gives 256 CTAs of 256/448 threads at 8192 tokens, 2 per SM. The
@@ -177,7 +176,7 @@ def _check_params(op: str, conv_kernel_size: int, dilation: int, eps: float) -> 
     """Checks an op object's hyperparameters; returns eps as a float."""
     checks.check_positive_int(op, "conv_kernel_size", conv_kernel_size)
     _check_dilation(op, dilation)
-    return _check_scalar(op, "eps", eps, positive=False)
+    return checks.check_float(op, "eps", eps)
 
 
 def _check_inputs(op: str, names, seqs, weights, conv_w, use_reference: bool):
@@ -243,7 +242,7 @@ def engram_gate_conv_fwd(H, k, v, rms_w_h, rms_w_v, conv_w, *, dilation: int = 1
     op = "engram_gate_conv_fwd"
     checks.check_bool(op, "use_reference", use_reference)
     _check_dilation(op, dilation)
-    eps = _check_scalar(op, "eps", eps, positive=False)
+    eps = checks.check_float(op, "eps", eps)
     M, T, d = _check_inputs(op, ("H", "k", "v"), (H, k, v), (("rms_w_h", rms_w_h), ("rms_w_v", rms_w_v)), conv_w,
                             use_reference)
     if use_reference or not H.is_cuda:

@@ -1331,12 +1331,7 @@ def swiglu_forward_and_per_channel_cast_and_transpose_(
 def _check_clamp(op: str, value) -> float | None:
     if value is None:
         return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        checks.fail(op, "swiglu_clamp_value", "a float or None", type(value).__name__, TypeError)
-    v = float(value)
-    if not (math.isfinite(v) and v > 0.0):
-        checks.fail(op, "swiglu_clamp_value", "a finite float > 0", repr(value))
-    return v
+    return checks.check_float(op, "swiglu_clamp_value", value, strict=True, kind="a float or None")
 
 
 def _check_index(op: str, arg: str, t, n: int, device) -> None:
@@ -1423,13 +1418,8 @@ def swiglu_forward_and_per_token_cast(
     if sf_clamp_min is None:
         clamp_min = get_amax_clamp("e4m3")
     else:
-        if not isinstance(sf_clamp_min, (int, float)) or isinstance(sf_clamp_min, bool):
-            checks.fail(op, "sf_clamp_min", "a float or None", type(sf_clamp_min).__name__, TypeError)
-        clamp_min = float(sf_clamp_min)
-        if not (math.isfinite(clamp_min) and clamp_min >= E4M3_MAX * 2.0**-126):
-            checks.fail(
-                op, "sf_clamp_min", f"a finite float >= {E4M3_MAX * 2.0**-126:.3g} (448 * 2**-126)", repr(sf_clamp_min)
-            )
+        clamp_min = checks.check_float(op, "sf_clamp_min", sf_clamp_min, E4M3_MAX * 2.0**-126, kind="a float or None",
+                                       expected=f"a finite float >= {E4M3_MAX * 2.0**-126:.3g} (448 * 2**-126)")
     if x.device.type != "cuda":
         from . import reference
 
@@ -1506,8 +1496,6 @@ def swiglu_backward_and_per_token_cast(
     if h2 % 2:
         checks.fail(op, "x[0].shape[-1]", "even ([gate | up] halves)", h2)
     h = h2 // 2
-    if not isinstance(num_per_channels, int) or isinstance(num_per_channels, bool):
-        checks.fail(op, "num_per_channels", "an int", type(num_per_channels).__name__, TypeError)
     checks.check_one_of(op, "num_per_channels", num_per_channels, GROUPS)
     checks.check_divisible(op, "hidden (x[0].shape[-1] / 2)", h, num_per_channels)
     nk = h2 // num_per_channels
