@@ -74,6 +74,16 @@ def test_check_float_and_check_int():
         checks.check_int("myop", "n", False, 0, "a non-negative int")
 
 
+def test_check_disjoint_compares_byte_ranges():
+    buf = torch.zeros(4, 8)
+    checks.check_disjoint("myop", "out", buf[2:], "x", buf[:2])  # adjacent rows: no shared byte
+    checks.check_disjoint("myop", "out", buf, "x", torch.zeros(4, 8))
+    checks.check_disjoint("myop", "out", buf[:0], "x", buf)  # nothing is written
+    for x in (buf, buf[1:3, 4:], buf.t(), buf[:, 7:].view(-1)):
+        with pytest.raises(ValueError, match=r"^myop: out must be memory disjoint from x, got a tensor whose bytes"):
+            checks.check_disjoint("myop", "out", buf[1:3], "x", x)
+
+
 def test_passing_checks_return_none():
     x = torch.zeros(2, 64)
     assert checks.check_dtype("op", "x", x, torch.float32) is None

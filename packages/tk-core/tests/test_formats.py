@@ -79,7 +79,7 @@ def test_e2m1_pack_round_trip_and_nibble_order():
     assert torch.equal(formats.unpack_e2m1(packed), codes)
     b = packed.view(torch.uint8)
     assert torch.equal(b & 0xF, codes[:, 0::2]) and torch.equal(b >> 4, codes[:, 1::2])
-    with pytest.raises(ValueError, match="even last dimension"):
+    with pytest.raises(ValueError, match="pack_e2m1: codes must be at least 1-D with a last dimension divisible by 2"):
         formats.pack_e2m1(torch.zeros(3, dtype=torch.uint8))
 
 
@@ -150,6 +150,57 @@ def test_ue8m0_round_trip_and_packing():
     assert torch.equal(formats.unpack_ue8m0(words, 7), e)
     assert torch.equal(words.view(torch.uint8)[:, 7], torch.zeros(5, dtype=torch.uint8))
     assert formats.decode_ue8m0(torch.tensor([0], dtype=torch.uint8)).item() == 0.0
+
+
+def test_ue8m0_int8_bytes_decode_as_unsigned():
+    e = torch.tensor([-1, -2, 127, 1], dtype=torch.int8)  # 0xFF, 0xFE: exponents 255 and 254
+    want = formats.decode_ue8m0(e.view(torch.uint8))
+    assert torch.equal(formats.decode_ue8m0(e), want) and want[1].item() == 2.0**127
+
+
+def test_reinterpret_keeps_0d_and_rejects_uneven_bytes():
+    x = torch.tensor(1.0)
+    bits = formats.reinterpret(x, torch.int32)
+    assert bits.shape == () and bits.item() == 0x3F800000
+    assert formats.encode_e2m1(torch.tensor(-1.5)).shape == ()
+    with pytest.raises(ValueError, match="reinterpret: x must be at least 1-D to change the element size to 1 bytes"):
+        formats.reinterpret(x, torch.uint8)
+    with pytest.raises(ValueError, match=r"last dimension of a multiple of 4 bytes, got shape \(2, 3\) of uint8"):
+        formats.reinterpret(torch.zeros(2, 3, dtype=torch.uint8), torch.int32)
+    with pytest.raises(TypeError, match="reinterpret: x must be a torch.Tensor, got list"):
+        formats.reinterpret([1.0], torch.int32)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: formats.pack_e2m1(torch.tensor(3)), r"pack_e2m1: codes must be at least 1-D .* got shape \(\)"),
+        (lambda: formats.pack_e5m6(torch.zeros(12)), "pack_e5m6: codes must be .* divisible by 8, got shape"),
+        (lambda: formats.pack_ue8m0(torch.tensor(3)), r"pack_ue8m0: e must be at least 1-D"),
+        (lambda: formats.unpack_e5m6(torch.zeros(2, 13, dtype=torch.uint8)), "unpack_e5m6: packed must be .* by 12"),
+        (lambda: formats.unpack_e2m1(torch.tensor(3, dtype=torch.int8)), "unpack_e2m1: packed must be at least 1-D"),
+        (lambda: formats.unpack_ue8m0(torch.zeros(2, 2, dtype=torch.int32), 9),
+         r"unpack_ue8m0: n must be a count with ceil\(n / 4\) == 2 \(words' last dimension\), got 9"),
+        (lambda: formats.unpack_ue8m0(torch.zeros(2, 2, dtype=torch.int32), 4), "got 4"),
+    ],
+)
+def test_packing_rejects_bad_shapes(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: formats.unpack_e5m6(torch.zeros(12, dtype=torch.int32)), "unpack_e5m6: packed must be of dtype uint8"),
+        (lambda: formats.unpack_e2m1(torch.zeros(4, dtype=torch.float32)),
+         "unpack_e2m1: packed must be of dtype int8 or uint8, got float32"),
+        (lambda: formats.unpack_ue8m0(torch.zeros(2, dtype=torch.float32), 8), "unpack_ue8m0: words must be of dtype int32"),
+    ],
+)
+def test_unpacking_rejects_other_dtypes(call, message):  # fp32 was reinterpreted byte by byte
+    with pytest.raises(TypeError, match=message):
+        call()
 
 
 def test_pow2_exact_over_whole_range():

@@ -76,6 +76,19 @@ def test_validation_errors(args, exc, match):
         tk_quant.cast_back((torch.zeros(4, 256), q[1]), "bf16", (1, 128))
 
 
+def test_out_must_not_overlap_the_input():  # the kernel would read bytes it has already overwritten
+    data, sf = reference.cast(torch.randn(4, 256), "e4m3", (1, 128))
+    buf = torch.empty(4, 256, dtype=torch.bfloat16)
+    in_buf = buf.view(torch.float8_e4m3fn)[:, :256]  # the first half of each 512-byte row of out
+    in_buf.copy_(data)
+    with pytest.raises(ValueError, match=r"cast_back: out must be memory disjoint from x's data, got a tensor whose"):
+        tk_quant.cast_back((in_buf, sf), "bf16", (1, 128), out=buf)
+    sf_buf = torch.empty(4, 256)
+    sf_buf.view(-1)[:8] = sf.view(-1)
+    with pytest.raises(ValueError, match=r"cast_back: out must be memory disjoint from x's sf"):
+        tk_quant.cast_back((data, sf_buf.view(-1)[:8].view(4, 2)), "fp32", (1, 128), out=sf_buf)
+
+
 def test_per_token_cast_back_blames_num_per_channels():
     q = reference.cast(torch.randn(4, 256), "e4m3", (1, 128))
     with pytest.raises(TypeError, match="per_token_cast_back: num_per_channels must be a positive int, got 128.0"):

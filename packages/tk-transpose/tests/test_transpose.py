@@ -75,6 +75,10 @@ def test_out_argument_and_empty_inputs():
         (lambda: transpose(torch.zeros(4, 6), out=torch.zeros(6, 4, dtype=torch.bfloat16)), TypeError,
          r"transpose: out must be of dtype float32, got bfloat16"),
         (lambda: transpose(torch.zeros(4, 6), out=torch.zeros(4, 6).t()), ValueError, r"transpose: out must be contiguous"),
+        (lambda: (lambda buf: transpose(buf[:, :4], out=buf[2:].view(4, 4)))(torch.zeros(4, 8)), ValueError,
+         r"transpose: out must be memory disjoint from x"),  # the kernel would read what it has overwritten
+        (lambda: (lambda x: batched_transpose(x, out=x))(torch.zeros(2, 4, 4)), ValueError,
+         r"batched_transpose: out must be memory disjoint from x"),
     ],
 )
 def test_errors(call, exc, msg):

@@ -12,7 +12,21 @@ from typing import NoReturn
 
 import torch
 
-from .formats import dtype_name
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def fail(op: str, arg: str, expected: str, got, exc: type[Exception] = ValueError) -> NoReturn:
@@ -58,6 +72,25 @@ def check_inner_contiguous(op: str, arg: str, x: torch.Tensor) -> None:
 def check_contiguous(op: str, arg: str, x: torch.Tensor) -> None:
     if not x.is_contiguous():
         fail(op, arg, "contiguous", f"shape {tuple(x.shape)} with strides {tuple(x.stride())}")
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """The first and one-past-last byte addresses that ``x``'s elements occupy (non-negative strides)."""
+    start = x.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+    return start, start + (last + 1) * x.element_size()
+
+
+def check_disjoint(op: str, arg: str, x: torch.Tensor, other_arg: str, other: torch.Tensor) -> None:
+    """Fails when the output buffer ``x`` shares memory with the input ``other``: a kernel would read elements it
+    has already overwritten. Compares the byte ranges the two span, as torch's own ``out=`` overlap check does.
+    Skipped while torch.compile traces (its tensors have no memory; the compiled graph passes fresh buffers)."""
+    if torch.compiler.is_compiling() or not x.numel() or not other.numel():
+        return
+    (a0, a1), (b0, b1) = _byte_span(x), _byte_span(other)
+    if a0 < b1 and b0 < a1:
+        fail(op, arg, f"memory disjoint from {other_arg}", f"a tensor whose bytes [{a0:#x}, {a1:#x}) overlap "
+             f"{other_arg}'s [{b0:#x}, {b1:#x})")
 
 
 def check_divisible(op: str, arg: str, value: int, divisor: int) -> None:

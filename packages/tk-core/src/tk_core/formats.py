@@ -17,6 +17,8 @@ round stochastically are compared bit for bit with their references, and no gene
 
 import torch
 
+from . import checks
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E5M6_MAX = 65024.0
@@ -26,27 +28,20 @@ FORMAT_MAX = {"e4m3": E4M3_MAX, "e2m1": E2M1_MAX, "e5m6": E5M6_MAX}
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int32: "int32",
-    torch.int64: "int64",
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-
-
 def reinterpret(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bytes of ``x`` (made contiguous) viewed as ``dtype``; the last dimension scales with the
-    element sizes. Works for any strides of size-1 dimensions and for empty tensors."""
-    last = x.shape[-1] * x.element_size() // torch.empty((), dtype=dtype).element_size() if x.dim() else 1
+    element sizes (its byte count must divide by the new element size). Works for any strides of size-1
+    dimensions and for empty tensors; a 0-d tensor stays 0-d between dtypes of one size."""
+    checks.check_tensor("reinterpret", "x", x)
+    size = torch.empty((), dtype=dtype).element_size()
+    if x.dim() == 0:
+        if x.element_size() != size:
+            checks.fail("reinterpret", "x", f"at least 1-D to change the element size to {size} bytes", "a 0-d tensor")
+        return x.view(dtype)
+    if x.shape[-1] * x.element_size() % size:
+        checks.fail("reinterpret", "x", f"a last dimension of a multiple of {size} bytes", f"shape {tuple(x.shape)} "
+                    f"of {checks.dtype_name(x.dtype)}")
+    last = x.shape[-1] * x.element_size() // size
     x = x.contiguous()
     if x.dim() and x.stride(-1) != 1:  # a size-1 last dimension may carry any stride
         x = x.clone(memory_format=torch.contiguous_format)
@@ -109,16 +104,23 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= 8, -mag, mag)
 
 
+def _check_last_dim(op: str, arg: str, x: torch.Tensor, multiple: int) -> None:
+    checks.check_tensor(op, arg, x)
+    if x.dim() == 0 or x.shape[-1] % multiple:
+        checks.fail(op, arg, f"at least 1-D with a last dimension divisible by {multiple}", f"shape {tuple(x.shape)}")
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``(..., 2K)`` -> int8 ``(..., K)``: element ``2j`` in the low nibble of byte ``j``."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_e2m1: codes must have an even last dimension, got shape {tuple(codes.shape)}")
+    _check_last_dim("pack_e2m1", "codes", codes, 2)
     c = codes.to(torch.uint8) & 0xF
     return reinterpret(c[..., 0::2] | (c[..., 1::2] << 4), torch.int8)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 ``(..., K)`` -> codes uint8 ``(..., 2K)`` (low nibble first)."""
+    checks.check_dtype("unpack_e2m1", "packed", packed, (torch.int8, torch.uint8))
+    _check_last_dim("unpack_e2m1", "packed", packed, 1)
     b = reinterpret(packed, torch.uint8)
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
 
@@ -167,8 +169,7 @@ def pack_e5m6(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``(..., 8G)`` -> uint8 ``(..., 12G)``: each 8 codes become 3 little-endian uint32 words,
     ``w0 = h0<<20 | h1<<8 | h2>>4``, ``w1 = (h2&0xF)<<28 | h3<<16 | h4<<4 | h5>>8``,
     ``w2 = (h5&0xFF)<<24 | h6<<12 | h7``."""
-    if codes.shape[-1] % 8:
-        raise ValueError(f"pack_e5m6: codes must have a last dimension divisible by 8, got {tuple(codes.shape)}")
+    _check_last_dim("pack_e5m6", "codes", codes, 8)
     h = (codes.to(torch.int64) & 0xFFF).unflatten(-1, (-1, 8)).unbind(-1)
     w0 = (h[0] << 20) | (h[1] << 8) | (h[2] >> 4)
     w1 = ((h[2] & 0xF) << 28) | (h[3] << 16) | (h[4] << 4) | (h[5] >> 8)
@@ -180,6 +181,8 @@ def pack_e5m6(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_e5m6(packed: torch.Tensor) -> torch.Tensor:
     """uint8 ``(..., 12G)`` -> codes int32 ``(..., 8G)``; the inverse of ``pack_e5m6``."""
+    checks.check_dtype("unpack_e5m6", "packed", packed, torch.uint8)
+    _check_last_dim("unpack_e5m6", "packed", packed, 12)
     w = reinterpret(packed, torch.int32).to(torch.int64) & 0xFFFFFFFF
     w0, w1, w2 = w.unflatten(-1, (-1, 3)).unbind(-1)
     h = (
@@ -281,13 +284,15 @@ def encode_ue8m0(sf: torch.Tensor) -> torch.Tensor:
 
 
 def decode_ue8m0(e: torch.Tensor) -> torch.Tensor:
-    """Exponent bytes -> float32 with bit pattern ``e << 23`` (byte 0 decodes to 0.0)."""
-    return _from_bits(e.to(torch.int32) << 23)
+    """Exponent bytes (uint8, or int8 read as its unsigned byte) -> float32 with bit pattern ``e << 23``
+    (byte 0 decodes to 0.0)."""
+    return _from_bits((e.to(torch.int32) & 0xFF) << 23)
 
 
 def pack_ue8m0(e: torch.Tensor) -> torch.Tensor:
     """uint8 ``(..., N)`` -> int32 ``(..., ceil(N/4))``; byte ``j`` of word ``c`` is ``e[..., 4c+j]``,
     unused bytes are zero."""
+    _check_last_dim("pack_ue8m0", "e", e, 1)
     n = e.shape[-1]
     pad = -n % 4
     e = torch.nn.functional.pad(e.to(torch.uint8), (0, pad)) if pad else e.to(torch.uint8)
@@ -296,6 +301,10 @@ def pack_ue8m0(e: torch.Tensor) -> torch.Tensor:
 
 def unpack_ue8m0(words: torch.Tensor, n: int) -> torch.Tensor:
     """int32 ``(..., ceil(n/4))`` -> uint8 ``(..., n)``."""
+    checks.check_dtype("unpack_ue8m0", "words", words, torch.int32)
+    _check_last_dim("unpack_ue8m0", "words", words, 1)
+    if n < 0 or (n + 3) // 4 != words.shape[-1]:  # no isinstance: n may be a SymInt under torch.compile
+        checks.fail("unpack_ue8m0", "n", f"a count with ceil(n / 4) == {words.shape[-1]} (words' last dimension)", n)
     return reinterpret(words, torch.uint8)[..., :n]
 
 

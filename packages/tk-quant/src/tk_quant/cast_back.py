@@ -9,7 +9,8 @@ scales, or packed UE8M0 int32 ``(ceil(T/bm), ceil(ceil(H/bk)/4))`` (byte ``e`` -
 with RNE (identity for fp32). Needs ``H % 16 == 0``. ``T == 0`` returns an empty tensor without a launch.
 
 Errors: TypeError for wrong types/dtypes, ValueError for bad ``fmt``/``x_special_fmt``, block sizes,
-shapes. CPU tensors run ``tk_quant.reference.cast_back`` / ``cast_back_from_e5m6``.
+shapes, an ``out`` that overlaps ``x`` in memory. CPU tensors run ``tk_quant.reference.cast_back`` /
+``cast_back_from_e5m6``.
 
 Kernel: registers only. A thread handles ``units`` 16-byte output vectors (4 fp32 / 8 bf16 values) with lane
 ``l`` of a warp on vector ``32*k + l``, so each warp store writes 512 contiguous bytes (coalesced); it issues
@@ -21,7 +22,7 @@ runtime values.
 import tilelang.language as T
 import torch
 
-from tk_core.checks import check_positive_int, fail
+from tk_core.checks import check_disjoint, check_positive_int, fail
 from tk_core.jit import kernel
 from tk_core.layout import vector_aligned
 from tk_core.library import device_op
@@ -203,6 +204,8 @@ def cast_back(x, fmt: str, x_block_size, x_special_fmt: str | None = None, out: 
         if out.dtype != dtype or tuple(out.shape) != (q.t, q.h) or not out.is_contiguous() or out.device != q.data.device:
             fail(op, "out", f"a contiguous {dtype} tensor of shape {(q.t, q.h)} on {q.data.device}",
                  f"{out.dtype} of shape {tuple(out.shape)} on {out.device}")
+        check_disjoint(op, "out", out, "x's data", q.data)
+        check_disjoint(op, "out", out, "x's sf", q.sf)
     if q.data.device.type != "cuda":
         if x_special_fmt == "e5m6":
             res = reference.cast_back_from_e5m6(x, fmt, x_block_size)

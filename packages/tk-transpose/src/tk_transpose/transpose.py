@@ -433,6 +433,7 @@ def _check(op: str, x, ndim: int, out) -> tuple[int, ...]:
         checks.check_shape(op, "out", out, shape)
         checks.check_same_device(op, "out", out, x.device)
         checks.check_contiguous(op, "out", out)
+        checks.check_disjoint(op, "out", out, "x", x)
     return shape
 
 
@@ -451,7 +452,7 @@ def batched_transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> to
     Raises:
         TypeError: ``x`` is not a tensor or its dtype is unsupported; ``out`` has another dtype.
         ValueError: ``x`` is not 3-D or not unit-stride in its last dimension; ``out`` has the wrong
-            shape or device or is not contiguous.
+            shape or device, is not contiguous or overlaps ``x`` in memory.
     """
     shape = _check("batched_transpose", x, 3, out)
     if out is None:
