@@ -254,6 +254,9 @@ def test_validation_errors():
     _bad(lambda: f(x[:, :, :96], k[:, :, :96], v[:, :96], w[:, :96], EPS, CLAMP), ValueError, "hidden size H must be a multiple of 64, got 96")
     _bad(lambda: f(x, k[:2], v, w, EPS, CLAMP), ValueError, r"engram_gate_fwd: k must be of shape \(3, 4, 128\)")
     _bad(lambda: f(x, k, v[:, None], w, EPS, CLAMP), ValueError, "engram_gate_fwd: v must be of shape")
+    # on CPU too, where any float dtype runs the reference: mixed precisions are an error, not a silent promotion
+    _bad(lambda: f(x, k.float(), v, w, EPS, CLAMP), TypeError, "engram_gate_fwd: k must be of dtype bfloat16, got float32")
+    _bad(lambda: f(x.double(), k.double(), v.float(), w, EPS, CLAMP), TypeError, "v must be of dtype float64, got float32")
     _bad(lambda: f(x, k, v, w[:3], EPS, CLAMP), ValueError, "weight_fused must be of shape")
     _bad(lambda: f(x, k, v, w, EPS, 0.0), ValueError, "clamp_value must be a finite float > 0, got 0.0")
     _bad(lambda: f(x, k, v, w, -1.0, CLAMP), ValueError, "eps must be a finite float >= 0")
@@ -265,6 +268,7 @@ def test_validation_errors():
     saved = reference.engram_gate_fwd_ref(x, k, v, w, EPS, CLAMP)[1:]
     b = tk_engram.engram_gate_bwd
     _bad(lambda: b(G[:, :2], x, k, v, w, *saved, CLAMP), ValueError, "engram_gate_bwd: grad_out must be of shape")
+    _bad(lambda: b(G.float(), x, k, v, w, *saved, CLAMP), TypeError, "engram_gate_bwd: grad_out must be of dtype bfloat16")
     _bad(lambda: b(G, x, k, v, w, saved[0][:2], *saved[1:], CLAMP), ValueError, "engram_gate_bwd: dot must be of shape")
     _bad(lambda: b(G, x, k, v, w, *saved, -1.0), ValueError, "clamp_value")
     r = tk_engram.grad_w_reduce

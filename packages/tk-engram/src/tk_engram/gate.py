@@ -23,7 +23,7 @@ Chunk p holds tokens [p*chunk, (p+1)*chunk) with chunk = ceil(T / P); P (the par
 count and the token count, so grad_w is deterministic for a given configuration. ``grad_w_reduce`` sums
 the P rows in order and adds S*w_e to grad_weight_hidden and S*w_h to grad_weight_embed in place.
 
-Inputs and layouts: bf16 x, k, v, grad_out on CUDA (any float dtype on CPU, where the references of
+Inputs and layouts: bf16 x, k, v, grad_out on CUDA (on CPU any one float dtype for the four, where the references of
 ``reference.py`` run); H a multiple of 64, at most 14336; the last dimension unit-stride, other strides arbitrary (runtime
 arguments; a stride that is not a multiple of 8 elements or a base not 16-byte aligned costs a copy);
 ``weight_fused`` float32 (n, H); eps >= 0 and clamp_value > 0 are runtime scalars: no recompile for a new
@@ -224,10 +224,9 @@ def _check_gate_inputs(op: str, hidden_states, k, v, weight_fused):
     if not 0 < hidden <= MAX_HIDDEN:
         checks.fail(op, "hidden size H", f"in [64, {MAX_HIDDEN}]", hidden)
     device = hidden_states.device
-    _check_float(op, "k", k, torch.bfloat16)
-    checks.check_shape(op, "k", k, (num_tokens, n, hidden))
-    _check_float(op, "v", v, torch.bfloat16)
-    checks.check_shape(op, "v", v, (num_tokens, hidden))
+    for name, t, shape in (("k", k, (num_tokens, n, hidden)), ("v", v, (num_tokens, hidden))):
+        checks.check_dtype(op, name, t, hidden_states.dtype)  # on CPU too: the reference would mix precisions
+        checks.check_shape(op, name, t, shape)
     _check_float(op, "weight_fused", weight_fused, torch.float32)
     checks.check_shape(op, "weight_fused", weight_fused, (n, hidden))
     for name, t in (("hidden_states", hidden_states), ("k", k), ("v", v)):
@@ -323,7 +322,7 @@ def engram_gate_bwd(
     """
     op = "engram_gate_bwd"
     num_tokens, n, hidden = _check_gate_inputs(op, hidden_states, k, v, weight_fused)
-    _check_float(op, "grad_out", grad_out, torch.bfloat16)
+    checks.check_dtype(op, "grad_out", grad_out, hidden_states.dtype)
     checks.check_shape(op, "grad_out", grad_out, (num_tokens, n, hidden))
     checks.check_same_device(op, "grad_out", grad_out, hidden_states.device)
     checks.check_inner_contiguous(op, "grad_out", grad_out)
