@@ -6,6 +6,7 @@
 #   bash .gpu/run.sh bash shared/gpu-check.sh                 # results under $OUT (or shared/benchmarks/<gpu>)
 #   PACKAGES="tk-quant" BENCH_FILTER="not torch" bash .gpu/run.sh bash shared/gpu-check.sh
 #   SKIP_BENCH=1 ... / SKIP_TIER=1 ...     # the tier alone / the benchmarks alone (two device calls of < 10 min)
+#   BENCH_FILES="packages/tk-quant/benchmarks/bench_swiglu.py ..." ...   # these bench files, in this order
 set -uo pipefail
 packages=${PACKAGES:-"tk-core tk-transpose tk-quant tk-engram"}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
@@ -22,7 +23,7 @@ fi
 # short by a time limit would lose every figure of the package. Each file's JSON goes to a scratch folder and is
 # folded at once into <out>/<package>.json (shared/benchmarks/merge.py): the device tool returns only a few files.
 runs=$(mktemp -d)
-for f in $(for p in $packages; do ls packages/$p/benchmarks/bench_*.py 2>/dev/null; done); do
+for f in ${BENCH_FILES:-$(for p in $packages; do ls packages/$p/benchmarks/bench_*.py 2>/dev/null; done)}; do
   name=$(basename "$(dirname "$(dirname "$f")")")-$(basename "$f" .py)
   python3 -m pytest "$f" -m benchmark --run-benchmark -q -p no:cacheprovider -k "${BENCH_FILTER:-}" \
     --benchmark-json "$runs/$name.json" >>"$out/bench.log" 2>&1
