@@ -94,7 +94,7 @@ def test_vector_aligned_keeps_aligned_views_and_copies_the_rest():
     assert layout.vector_aligned(row) is not row
     rows8 = buf.view(-1)[4:4 + 64 * 68].view(64, 68)  # 8-byte aligned base and row stride
     assert layout.vector_aligned(rows8, 8) is rows8 and layout.vector_aligned(rows8, 16) is not rows8
-    with pytest.raises(ValueError, match="vector_aligned: nbytes must be positive, got 0"):
+    with pytest.raises(ValueError, match="vector_aligned: nbytes must be a positive int, got 0"):
         layout.vector_aligned(rows8, 0)
 
 

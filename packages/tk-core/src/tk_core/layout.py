@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from . import checks
 from .formats import decode_ue8m0, encode_ue8m0, pack_ue8m0, unpack_ue8m0
 
 SF_LAYOUTS = ("row", "col", "packed")
@@ -46,8 +47,7 @@ def vector_aligned(x: torch.Tensor, nbytes: int = 16) -> torch.Tensor:
     memory (the stride is never stepped, but ``view(dtype)`` to a wider dtype checks it: e.g. one row of a buffer with
     an odd row length). While ``torch.compile`` traces, tensors have no address; the compiled graph passes fresh
     buffers."""
-    if nbytes <= 0:
-        raise ValueError(f"vector_aligned: nbytes must be positive, got {nbytes}")
+    checks.check_positive_int("vector_aligned", "nbytes", nbytes)
     if torch.compiler.is_compiling():
         return x
     size = x.element_size()

@@ -23,10 +23,10 @@ Chunk p holds tokens [p*chunk, (p+1)*chunk) with chunk = ceil(T / P); P (the par
 count and the token count, so grad_w is deterministic for a given configuration. ``grad_w_reduce`` sums
 the P rows in order and adds S*w_e to grad_weight_hidden and S*w_h to grad_weight_embed in place.
 
-Inputs and layouts: bf16 x, k, v, grad_out on CUDA (on CPU any one float dtype for the four, where the references of
-``reference.py`` run); H a multiple of 64, at most 14336; the last dimension unit-stride, other strides arbitrary (runtime
-arguments; a stride that is not a multiple of 8 elements or a base not 16-byte aligned costs a copy);
-``weight_fused`` float32 (n, H); eps >= 0 and clamp_value > 0 are runtime scalars: no recompile for a new
+Inputs and layouts: bf16 x, k, v, grad_out on CUDA (on CPU any one float dtype for the four, where the
+references of ``reference.py`` run); H a multiple of 64, at most 14336; the last dimension unit-stride, other strides
+arbitrary (runtime arguments; a stride that is not a multiple of 8 elements or a base not 16-byte aligned costs a
+copy); ``weight_fused`` float32 (n, H); eps >= 0 and clamp_value > 0 are runtime scalars: no recompile for a new
 token count, stride, eps or clamp. Outputs are contiguous. T = 0 returns empty outputs (zero partials).
 
 Image tokens (optional bool (T,) ``image_token_mask``, TileKernels 2.1.0): the forward passes them through
