@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from . import checks
+
 _INT32 = "<i4"
 
 
@@ -63,7 +65,7 @@ class HostCounts:
         """The first ``n`` words, zeroed on the host, as the CUDA tensor a kernel writes. No kernel of an earlier
         call may still be writing them: callers ``collect`` before they return."""
         if not 0 <= n <= self.capacity:  # memset past the pinned buffer would corrupt the host heap
-            raise ValueError(f"HostCounts.zeroed: n must be in [0, {self.capacity}], got {n}")
+            checks.fail("HostCounts.zeroed", "n", f"in [0, {self.capacity}]", n)
         ctypes.memset(self.host.data_ptr(), 0, 4 * n)
         return self.alias[:n]
 

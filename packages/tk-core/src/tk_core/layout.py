@@ -74,7 +74,7 @@ def sf_layout(op: str, use_tma_aligned_col_major_sf: bool, use_packed_ue8m0: boo
 def alloc_sf(nm: int, nk: int, layout: str, device) -> torch.Tensor:
     """An uninitialised SF of logical shape ``(nm, nk)`` in ``layout`` (padding included)."""
     if nm < 0 or nk < 0:
-        raise ValueError(f"alloc_sf: (nm, nk) must be non-negative, got {(nm, nk)}")
+        checks.fail("alloc_sf", "(nm, nk)", "non-negative", (nm, nk))
     if layout == "row":
         return torch.empty((nm, nk), dtype=torch.float32, device=device)
     if layout == "col":
@@ -86,10 +86,8 @@ def alloc_sf(nm: int, nk: int, layout: str, device) -> torch.Tensor:
 
 def sf_to_layout(sf: torch.Tensor, layout: str) -> torch.Tensor:
     """Row-major float32 ``(nm, nk)`` -> the same scales in ``layout``; padding is zero."""
-    if layout not in SF_LAYOUTS:
-        raise ValueError(f"sf_to_layout: layout must be one of {SF_LAYOUTS}, got {layout!r}")
-    if sf.dim() != 2:
-        raise ValueError(f"sf_to_layout: sf must be 2-D, got shape {tuple(sf.shape)}")
+    checks.check_one_of("sf_to_layout", "layout", layout, SF_LAYOUTS)
+    checks.check_ndim("sf_to_layout", "sf", sf, 2)
     nm, nk = sf.shape
     if layout == "row":
         return sf.to(torch.float32, copy=True)

@@ -437,6 +437,16 @@ def _check(op: str, x, ndim: int, out) -> tuple[int, ...]:
     return shape
 
 
+def _transpose_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[b] = x[b].T`` for a checked 3-D ``x`` and its checked (or fresh) ``out``; returns ``out``."""
+    if out.numel():
+        if x.is_cuda:
+            _batched_transpose_op(x, out)
+        else:
+            out.copy_(reference.batched_transpose(x))
+    return out
+
+
 def batched_transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Swaps the last two dimensions of a 3-D tensor into a new contiguous tensor.
 
@@ -455,15 +465,7 @@ def batched_transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> to
             shape or device, is not contiguous or overlaps ``x`` in memory.
     """
     shape = _check("batched_transpose", x, 3, out)
-    if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    if x.is_cuda:
-        _batched_transpose_op(x, out)
-    else:
-        out.copy_(reference.batched_transpose(x))
-    return out
+    return _transpose_into(x, torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out)
 
 
 def transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -472,6 +474,8 @@ def transpose(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tens
     Same dtypes, layouts, semantics and errors as ``batched_transpose`` with one batch; the row stride
     may exceed ``N``.
     """
-    _check("transpose", x, 2, out)
-    result = batched_transpose(x.unsqueeze(0), out=None if out is None else out.unsqueeze(0))
-    return result.squeeze(0) if out is None else out
+    shape = _check("transpose", x, 2, out)
+    if out is None:
+        return _transpose_into(x.unsqueeze(0), torch.empty((1, *shape), dtype=x.dtype, device=x.device)).squeeze(0)
+    _transpose_into(x.unsqueeze(0), out.unsqueeze(0))
+    return out
