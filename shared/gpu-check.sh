@@ -7,9 +7,16 @@
 #   PACKAGES="tk-quant" BENCH_FILTER="not torch" bash .gpu/run.sh bash shared/gpu-check.sh
 #   SKIP_BENCH=1 ... / SKIP_TIER=1 ...     # the tier alone / the benchmarks alone (two device calls of < 10 min)
 #   BENCH_FILES="packages/tk-quant/benchmarks/bench_swiglu.py ..." ...   # these bench files, in this order
+#   REQUIRE_GPU=H200 ...   # run nothing (exit 3) unless the GPU's name contains H200: a call that may get an H100 for
+#                          # an H200 request then spends only the machine's start, not a tier whose figures exist
 set -uo pipefail
 packages=${PACKAGES:-"tk-core tk-transpose tk-quant tk-engram"}
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if [ -n "${REQUIRE_GPU:-}" ] && [[ "$name" != *"$REQUIRE_GPU"* ]]; then
+  echo "gpu-check: REQUIRE_GPU=$REQUIRE_GPU but this GPU is '$name'; nothing run"
+  exit 3
+fi
+gpu=$(printf '%s\n' "$name" | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
 out=${OUT:-shared/benchmarks/${gpu:-gpu}}
 mkdir -p "$out"
 paths=$(for p in $packages; do printf 'packages/%s ' "$p"; done)
