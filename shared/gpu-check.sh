@@ -11,12 +11,12 @@
 #                          # an H200 request then spends only the machine's start, not a tier whose figures exist
 set -uo pipefail
 packages=${PACKAGES:-"tk-core tk-transpose tk-quant tk-engram"}
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-if [ -n "${REQUIRE_GPU:-}" ] && [[ "$name" != *"$REQUIRE_GPU"* ]]; then
-  echo "gpu-check: REQUIRE_GPU=$REQUIRE_GPU but this GPU is '$name'; nothing run"
+gpu_name=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+if [ -n "${REQUIRE_GPU:-}" ] && [[ "$gpu_name" != *"$REQUIRE_GPU"* ]]; then
+  echo "gpu-check: REQUIRE_GPU=$REQUIRE_GPU but this GPU is '$gpu_name'; nothing run"
   exit 3
 fi
-gpu=$(printf '%s\n' "$name" | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
+gpu=$(printf '%s\n' "$gpu_name" | grep -oE '[A-Z]+[0-9]+' | head -1 | tr A-Z a-z)
 out=${OUT:-shared/benchmarks/${gpu:-gpu}}
 mkdir -p "$out"
 paths=$(for p in $packages; do printf 'packages/%s ' "$p"; done)

@@ -48,7 +48,6 @@ registers. Either way two dependent memory round trips per token (the other CTAs
 fit, cover them) and the same result bits. Each CTA writes one partial weight-gradient row.
 """
 
-
 import torch
 
 from tk_core import checks, config
